@@ -1,0 +1,1 @@
+"""hivetrain.kernels: pure tensor codecs (no network, no clock, no hivemind)."""

@@ -1,0 +1,1 @@
+"""hivetrain.peer: the client: config, model, data, the DiLoCo loop, averaging, CLI."""
