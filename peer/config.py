@@ -1,0 +1,205 @@
+"""Configuration: one tree of frozen dataclasses, validated on construction.
+
+``RunSpec`` is what the run owner publishes (signed) and every peer of the run must share;
+``PeerOptions`` is what one volunteer chooses for their own machine. Both are built only at the
+CLI edge and passed down; library code never reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .errors import ConfigError
+
+RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
+COMPRESSIONS = ("int8", "fp32")
+SPEC_VERSION = 1
+
+
+def _check_range(owner: str, name: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
+        raise ConfigError(f"{owner}.{name} must be a number in [{lo}, {hi}], got {value!r}")
+
+
+def _check_int(owner: str, name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not (lo <= value <= hi):
+        raise ConfigError(f"{owner}.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small Llama-style decoder (RMSNorm, RoPE, SwiGLU)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 352
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        _check_int("model", "vocab_size", self.vocab_size, 2, 1 << 20)
+        _check_int("model", "d_model", self.d_model, 8, 1 << 15)
+        _check_int("model", "n_layers", self.n_layers, 1, 256)
+        _check_int("model", "n_heads", self.n_heads, 1, 256)
+        _check_int("model", "ffn_hidden", self.ffn_hidden, 8, 1 << 17)
+        _check_int("model", "max_seq_len", self.max_seq_len, 8, 1 << 17)
+        _check_range("model", "rope_theta", self.rope_theta, 1.0, 1e9)
+        _check_range("model", "norm_eps", self.norm_eps, 1e-12, 1e-1)
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ConfigError(
+                f"model.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                "into an even head dimension"
+            )
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: ModelConfig
+    seq_len: int
+    batch_size: int
+    inner_lr: float
+    sync_every: int
+
+
+PRESETS: dict[str, Preset] = {
+    # ~0.8M parameters: trains visibly on 2 CPU cores in about a minute.
+    "tiny": Preset(ModelConfig(256, 128, 4, 4, 352, 128), seq_len=128, batch_size=16, inner_lr=2e-3, sync_every=20),
+    # ~3.3M parameters: a CPU benchmark size.
+    "small": Preset(ModelConfig(256, 256, 4, 8, 704, 256), seq_len=256, batch_size=16, inner_lr=1e-3, sync_every=50),
+    # ~26M parameters: for a GPU.
+    "medium": Preset(ModelConfig(256, 512, 8, 8, 1408, 512), seq_len=512, batch_size=32, inner_lr=6e-4, sync_every=100),
+    # ~150M parameters: for a real GPU.
+    "large": Preset(ModelConfig(256, 1024, 12, 16, 2816, 1024), seq_len=1024, batch_size=32, inner_lr=3e-4,
+                    sync_every=100),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything every peer of a run must agree on. Published by the owner, signed."""
+
+    name: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: str = "sotu"  # "sotu" or "files:<sha256 of the corpus>"
+    seq_len: int = 128
+    batch_size: int = 16
+    inner_lr: float = 2e-3
+    inner_weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    sync_every: int = 20  # H: inner steps per round
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compression: str = "int8"
+    chunk_size: int = 65536
+    target_group_size: int = 8
+    min_group_size: int = 1
+    matchmaking_timeout: float = 15.0  # seconds a peer waits for others to be ready for a round
+    allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
+    init_seed: int = 0
+    version: int = SPEC_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not RUN_NAME_RE.match(self.name):
+            raise ConfigError(
+                f"run name {self.name!r} is invalid: use 1-48 characters of a-z, 0-9, '-' and '_', "
+                "starting with a letter or digit"
+            )
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError("spec.model must be a ModelConfig")
+        if not (self.dataset == "sotu" or re.fullmatch(r"files:[0-9a-f]{64}", self.dataset)):
+            raise ConfigError(f"spec.dataset must be 'sotu' or 'files:<sha256>', got {self.dataset!r}")
+        _check_int("spec", "seq_len", self.seq_len, 8, self.model.max_seq_len)
+        _check_int("spec", "batch_size", self.batch_size, 1, 4096)
+        _check_range("spec", "inner_lr", self.inner_lr, 1e-7, 1.0)
+        _check_range("spec", "inner_weight_decay", self.inner_weight_decay, 0.0, 1.0)
+        _check_range("spec", "grad_clip", self.grad_clip, 0.0, 1e6)
+        _check_int("spec", "sync_every", self.sync_every, 1, 100_000)
+        _check_range("spec", "outer_lr", self.outer_lr, 0.0, 10.0)
+        _check_range("spec", "outer_momentum", self.outer_momentum, 0.0, 0.999)
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        _check_int("spec", "chunk_size", self.chunk_size, 256, 1 << 24)
+        _check_int("spec", "target_group_size", self.target_group_size, 1, 64)
+        _check_int("spec", "min_group_size", self.min_group_size, 1, self.target_group_size)
+        _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)
+        _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
+        _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
+        if self.version != SPEC_VERSION:
+            raise ConfigError(f"run spec version {self.version} is not supported (this client speaks {SPEC_VERSION})")
+
+    @classmethod
+    def from_preset(cls, name: str, preset: str, **overrides: Any) -> RunSpec:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        p = PRESETS[preset]
+        base: dict[str, Any] = dict(
+            name=name, model=p.model, seq_len=p.seq_len, batch_size=p.batch_size,
+            inner_lr=p.inner_lr, sync_every=p.sync_every,
+        )
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RunSpec:
+        """Builds a spec from untrusted decoded data; raises ConfigError on any deviation."""
+        if not isinstance(raw, dict):
+            raise ConfigError("run spec must be a map")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(raw) - names:
+            raise ConfigError(f"run spec has unknown fields: {sorted(set(raw) - names)}")
+        model_raw = raw.get("model")
+        if not isinstance(model_raw, dict):
+            raise ConfigError("run spec field 'model' must be a map")
+        model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+        if set(model_raw) != model_names:
+            raise ConfigError(f"run spec model fields must be exactly {sorted(model_names)}")
+        try:
+            return cls(**{**raw, "model": ModelConfig(**model_raw)})
+        except TypeError as e:
+            raise ConfigError(f"run spec is malformed: {e}") from None
+
+    def encode(self) -> bytes:
+        """Canonical bytes (msgpack, fixed field order) that are signed and hashed."""
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    def spec_hash(self) -> bytes:
+        return hashlib.sha256(self.encode()).digest()
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """What one volunteer chooses for their own peer; never shared with the run."""
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    state_dir: str = ""
+    identity_path: str | None = None
+    data_path: str | None = None
+    device: str = "cpu"
+    threads: int = 0  # 0: leave torch's default
+    metrics_file: str | None = None
+    max_rounds: int = 0  # 0: train until stopped
+    eval_batches: int = 8
+    dht_timeout: float = 15.0  # seconds for one DHT call / bootstrap
+    fault: str | None = None  # test hook: "<kind>@<round>", see peer/faults.py
+
+    def __post_init__(self) -> None:
+        _check_int("peer", "threads", self.threads, 0, 1024)
+        _check_int("peer", "max_rounds", self.max_rounds, 0, 10_000_000)
+        _check_int("peer", "eval_batches", self.eval_batches, 0, 10_000)
+        _check_range("peer", "dht_timeout", self.dht_timeout, 0.1, 600.0)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
