@@ -1,0 +1,191 @@
+"""The one facade over hivemind's DHT. It owns the event loop that talks to hivemind.
+
+``DHT`` starts a background thread running one asyncio loop, a p2pd daemon (hivemind ``P2P``)
+and a ``DHTNode`` on top of it. Every public method is synchronous, called from the training
+thread, and takes a deadline; the averaging layer runs its coroutines on the same loop through
+``run`` / ``submit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from multiaddr import Multiaddr
+
+from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
+from .records import Envelope
+from .validator import EnvelopeValidator
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[Multiaddr]:
+    """Validates multiaddrs given by a user; raises BootstrapError with a one-line explanation."""
+    out = []
+    for value in values:
+        try:
+            maddr = Multiaddr(value)
+        except Exception as e:
+            raise BootstrapError(f"{what} {value!r} is not a valid multiaddr ({e})") from None
+        protocols = {p.name for p in maddr.protocols()}
+        if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"} or "tcp" not in protocols:
+            raise BootstrapError(f"{what} {value!r} must name an IP (or DNS) address and a TCP port")
+        if need_peer_id and "p2p" not in protocols:
+            raise BootstrapError(
+                f"{what} {value!r} has no /p2p/<peer id> part; copy the full address a running peer prints"
+            )
+        out.append(maddr)
+    return out
+
+
+@dataclass(frozen=True)
+class DHTOptions:
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    p2p_identity_path: str | None = None
+    timeout: float = 15.0  # seconds: bootstrap and each DHT call
+
+
+class DHT:
+    """A DHT node in a background event-loop thread. Methods are thread-safe and bounded in time."""
+
+    def __init__(self, options: DHTOptions):
+        self.options = options
+        self._initial = parse_maddrs(options.initial_peers, "initial peer", need_peer_id=True)
+        self._host = parse_maddrs(options.host_maddrs, "host address", need_peer_id=False)
+        self._announce = parse_maddrs(options.announce_maddrs, "announce address", need_peer_id=False)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="hivetrain-dht", daemon=True)
+        self._node: Any = None
+        self.p2p: Any = None
+        self.peer_id: str = ""
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> DHT:
+        """Starts p2pd and the DHT node, bootstrapping from the initial peers; raises BootstrapError."""
+        self._thread.start()
+        try:
+            self.run(self._start(), timeout=self.options.timeout + 20)
+        except DHTTimeout:
+            self.shutdown()
+            raise BootstrapError(
+                f"could not join the DHT within {self.options.timeout + 20:.0f} s; check --initial-peers"
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        from hivemind.dht.node import DHTNode
+        from hivemind.p2p import P2P
+        from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+        try:
+            self.p2p = await P2P.create(
+                initial_peers=self._initial or None,
+                host_maddrs=self._host,
+                announce_maddrs=self._announce or None,
+                identity_path=self.options.p2p_identity_path,
+                nat_port_map=False,  # no UPnP by default: do not open ports on the user's router
+                startup_timeout=self.options.timeout,
+            )
+        except P2PDaemonError as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if self._initial:
+                raise BootstrapError(f"could not reach any initial peer ({msg[:200]})") from None
+            raise DHTError(f"could not start the p2p daemon: {msg[:200]}") from None
+        try:
+            self._node = await DHTNode.create(
+                p2p=self.p2p,
+                initial_peers=[str(m) for m in self._initial] or None,
+                record_validator=EnvelopeValidator(),
+                bootstrap_timeout=self.options.timeout,
+                wait_timeout=min(5.0, self.options.timeout),
+                num_workers=4,
+                cache_locally=False,
+            )
+        except RuntimeError as e:
+            if "bootstrap failed" in str(e):
+                raise BootstrapError(
+                    "none of the initial peers answered; check that they run and that the addresses are right"
+                ) from None
+            raise
+        self.peer_id = self.p2p.peer_id.to_base58()
+
+    def shutdown(self) -> None:
+        """Stops the DHT node, p2pd and the loop thread; safe to call twice."""
+        if self.loop.is_running():
+            async def _stop() -> None:
+                if self._node is not None:
+                    await self._node.shutdown()
+                if self.p2p is not None:
+                    await self.p2p.shutdown()
+
+            try:
+                self.run(_stop(), timeout=10)
+            except Exception as e:  # shutting down: report, nothing else to restore
+                logger.warning("DHT shutdown was not clean: %s", e)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    # ---- calls from other threads ---------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Runs ``coro`` on the DHT loop and waits at most ``timeout`` seconds; raises DHTTimeout."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DHTTimeout(f"DHT operation timed out after {timeout:.1f} s") from None
+
+    def visible_maddrs(self) -> list[str]:
+        maddrs = self.run(self.p2p.get_visible_maddrs(), timeout=self.options.timeout)
+        return [str(m) for m in maddrs]
+
+    # ---- records --------------------------------------------------------------------------------
+
+    async def astore(self, envelope: Envelope) -> bool:
+        return bool(await self._node.store(
+            envelope.key, envelope.encode(), envelope.expiration, subkey=envelope.subkey
+        ))
+
+    async def aget(self, key: str, latest: bool = True) -> list[Envelope]:
+        """All valid envelopes under ``key`` (one per signer), in no particular order."""
+        found = await self._node.get(key, latest=latest)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = time.time()
+        out = []
+        for subkey, item in list(found.value.items())[:1024]:
+            try:
+                envelope = Envelope.decode(item.value, now=now)
+            except InvalidRecord:
+                continue  # a forged or broken record is ignored, the DHT validator should have stopped it
+            if envelope.key == key and envelope.subkey == subkey and envelope.expiration >= now:
+                out.append(envelope)
+        return out
+
+    def store(self, envelope: Envelope, timeout: float | None = None) -> bool:
+        return self.run(self.astore(envelope), timeout or self.options.timeout)
+
+    def get(self, key: str, latest: bool = True, timeout: float | None = None) -> list[Envelope]:
+        return self.run(self.aget(key, latest), timeout or self.options.timeout)

@@ -1,0 +1,189 @@
+"""Signed, strict, size-bounded DHT records.
+
+Every value this client puts into the DHT is an *envelope*::
+
+    ["HT1", kind, key, subkey, payload, expiration, public_key, signature]
+
+signed with Ed25519 over (kind, key, subkey, payload, expiration), so a record cannot be moved to
+another key, another subkey, or kept alive longer than its signer wanted. ``subkey`` is always the
+signer's fingerprint: a peer can only write under its own name. Payloads are flat msgpack maps with
+a fixed schema per kind; decoding never uses ext hooks, pickle or recursion beyond one level.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import InvalidRecord
+from .identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity, fingerprint, verify
+
+MAGIC = "HT1"
+MAX_RECORD_BYTES = 16 * 1024  # a whole envelope
+MAX_PAYLOAD_BYTES = 12 * 1024
+MAX_STR = 512
+MAX_TTL = 3600.0  # seconds: no peer record may claim to live longer than this from now
+MAX_TTL_SPEC = 30 * 86400.0  # seconds: a run spec outlives its owner's session, re-served by every peer
+CLOCK_SKEW = 120.0  # seconds of tolerated clock difference between peers
+_DOMAIN = b"hivetrain-record-v1\0"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+KINDS = ("spec", "hb", "ready")
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise InvalidRecord("msgpack ext types are not allowed")
+
+
+def strict_unpack(data: bytes, max_bytes: int) -> Any:
+    """Decodes msgpack without ext types, with every container and string capped."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > max_bytes:
+        raise InvalidRecord(f"record larger than {max_bytes} bytes or not bytes")
+    try:
+        return msgpack.unpackb(
+            bytes(data), raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True,
+            max_str_len=MAX_PAYLOAD_BYTES, max_bin_len=MAX_PAYLOAD_BYTES,
+            max_array_len=64, max_map_len=32, max_ext_len=0,
+        )
+    except InvalidRecord:
+        raise
+    except Exception as e:  # msgpack raises a zoo of types for malformed input
+        raise InvalidRecord(f"malformed msgpack: {type(e).__name__}") from None
+
+
+@dataclass(frozen=True)
+class Envelope:
+    kind: str
+    key: str
+    subkey: str
+    payload: bytes
+    expiration: float  # DHT time (unix seconds)
+    public_key: bytes
+    signature: bytes
+
+    @staticmethod
+    def signed_message(kind: str, key: str, subkey: str, payload: bytes, expiration: float) -> bytes:
+        return _DOMAIN + msgpack.packb([kind, key, subkey, payload, float(expiration)], use_bin_type=True)
+
+    @classmethod
+    def sign(cls, identity: Identity, kind: str, key: str, payload: bytes, expiration: float) -> Envelope:
+        subkey = identity.fingerprint
+        sig = identity.sign(cls.signed_message(kind, key, subkey, payload, expiration))
+        return cls(kind, key, subkey, payload, float(expiration), identity.public_key, sig)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            [MAGIC, self.kind, self.key, self.subkey, self.payload, self.expiration, self.public_key, self.signature],
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, now: float | None = None) -> Envelope:
+        """Parses and verifies an envelope from an untrusted peer; raises InvalidRecord."""
+        raw = strict_unpack(data, MAX_RECORD_BYTES)
+        if not (isinstance(raw, list) and len(raw) == 8 and raw[0] == MAGIC):
+            raise InvalidRecord("not a hivetrain record")
+        _, kind, key, subkey, payload, expiration, public_key, signature = raw
+        if kind not in KINDS:
+            raise InvalidRecord(f"unknown record kind {kind!r}")
+        if not (isinstance(key, str) and 0 < len(key) <= MAX_STR and isinstance(subkey, str)):
+            raise InvalidRecord("bad record key")
+        if not (isinstance(payload, bytes) and len(payload) <= MAX_PAYLOAD_BYTES):
+            raise InvalidRecord("bad record payload")
+        if not (isinstance(expiration, float) and math.isfinite(expiration)):
+            raise InvalidRecord("bad record expiration")
+        if not (isinstance(public_key, bytes) and len(public_key) == PUBLIC_KEY_LEN):
+            raise InvalidRecord("bad public key")
+        if not (isinstance(signature, bytes) and len(signature) == SIGNATURE_LEN):
+            raise InvalidRecord("bad signature")
+        if subkey != fingerprint(public_key):
+            raise InvalidRecord("record subkey is not its signer's fingerprint")
+        now = time.time() if now is None else now
+        max_ttl = MAX_TTL_SPEC if kind == "spec" else MAX_TTL
+        if expiration > now + max_ttl + CLOCK_SKEW:
+            raise InvalidRecord(f"{kind} record expires more than {max_ttl:.0f} s ahead")
+        verify(public_key, signature, cls.signed_message(kind, key, subkey, payload, expiration))
+        return cls(kind, key, subkey, payload, expiration, public_key, signature)
+
+
+# ---- keys -------------------------------------------------------------------------------------------
+
+
+def spec_key(run_key: str) -> str:
+    return f"hivetrain/{run_key}/spec"
+
+
+def heartbeat_key(run_key: str) -> str:
+    return f"hivetrain/{run_key}/peers"
+
+
+def ready_key(run_key: str, round_: int) -> str:
+    return f"hivetrain/{run_key}/ready/{round_}"
+
+
+# ---- payload schemas --------------------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def _is_int(lo: int, hi: int) -> Check:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_float(lo: float, hi: float) -> Check:
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def _is_str(max_len: int) -> Check:
+    return lambda v: isinstance(v, str) and 0 < len(v) <= max_len
+
+
+def _is_hex64(v: Any) -> bool:
+    return isinstance(v, str) and bool(_HEX64.match(v))
+
+
+def _optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+MAX_ROUND = 10**9
+SCHEMAS: dict[str, dict[str, Check]] = {
+    "hb": {
+        "peer_id": _is_str(128),
+        "round": _is_int(0, MAX_ROUND),
+        "state_hash": _is_hex64,
+        "throughput": _is_float(0.0, 1e12),  # tokens per second
+        "train_loss": _optional(_is_float(0.0, 1e6)),
+        "eval_loss": _optional(_is_float(0.0, 1e6)),
+    },
+    "ready": {
+        "peer_id": _is_str(128),
+        "round": _is_int(0, MAX_ROUND),
+        "base_hash": _is_hex64,
+        "spec_hash": _is_hex64,
+    },
+}
+
+
+def encode_payload(kind: str, fields: dict[str, Any]) -> bytes:
+    check_payload(kind, fields)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def check_payload(kind: str, fields: Any) -> dict[str, Any]:
+    schema = SCHEMAS[kind]
+    if not isinstance(fields, dict) or set(fields) != set(schema):
+        raise InvalidRecord(f"{kind} record must have exactly the fields {sorted(schema)}")
+    for name, check in schema.items():
+        if not check(fields[name]):
+            raise InvalidRecord(f"{kind} record field {name!r} is invalid: {fields[name]!r}"[:200])
+    return fields
+
+
+def decode_payload(kind: str, payload: bytes) -> dict[str, Any]:
+    return check_payload(kind, strict_unpack(payload, MAX_PAYLOAD_BYTES))

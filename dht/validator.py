@@ -1,0 +1,48 @@
+"""A hivemind record validator that admits only signed hivetrain envelopes.
+
+Every DHT node of the swarm runs it on every record it is asked to store and on every record it
+reads, so a peer cannot write under another peer's subkey, publish a spec for a run it does not
+own, or keep a record alive past the expiration its signer chose.
+"""
+
+from __future__ import annotations
+
+import msgpack
+from hivemind.dht.crypto import DHTRecord, RecordValidatorBase
+from hivemind.dht.routing import DHTID
+
+from .errors import InvalidRecord
+from .identity import RUN_KEY_RE
+from .records import MAX_RECORD_BYTES, Envelope, strict_unpack
+
+
+class EnvelopeValidator(RecordValidatorBase):
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            check_record(record.key, record.subkey, record.value, record.expiration_time)
+        except InvalidRecord:
+            return False
+        return True
+
+
+def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expiration_time: float) -> Envelope:
+    """Checks one raw DHT record as hivemind hands it over; raises InvalidRecord."""
+    value = strict_unpack(value_bytes, MAX_RECORD_BYTES + 16)  # the DHT wraps our bytes in a msgpack bin
+    if not isinstance(value, bytes):
+        raise InvalidRecord("DHT value is not a hivetrain envelope")
+    envelope = Envelope.decode(value)
+    if DHTID.generate(source=envelope.key).to_bytes() != key_id:
+        raise InvalidRecord("envelope was signed for another key")
+    if subkey_bytes != msgpack.packb(envelope.subkey, use_bin_type=True):
+        raise InvalidRecord("envelope stored under a subkey that is not its signer's")
+    if expiration_time > envelope.expiration:
+        raise InvalidRecord("DHT expiration is later than the signed expiration")
+    parts = envelope.key.split("/")
+    if len(parts) < 3 or parts[0] != "hivetrain" or not RUN_KEY_RE.match(parts[1]):
+        raise InvalidRecord("record key is not a hivetrain run key")
+    expected = {"spec": ("spec",), "hb": ("peers",), "ready": ("ready", "<round>")}[envelope.kind]
+    if len(parts) - 2 != len(expected) or parts[2] != expected[0] or (len(parts) == 4 and not parts[3].isdigit()):
+        raise InvalidRecord(f"a {envelope.kind} record may not be stored under {envelope.key!r}")
+    if envelope.kind == "spec" and parts[1].rsplit(".", 1)[1] != envelope.subkey:
+        raise InvalidRecord("run spec not signed by the run owner")
+    return envelope

