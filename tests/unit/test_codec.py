@@ -108,6 +108,7 @@ def test_determinism_and_buffer_types() -> None:
     ba[-1] ^= 0x7F
     ba[0:4] = struct.pack("<f", 5.0)  # mutating the source afterwards must not change the result
     assert torch.equal(decode(p, x.numel()), y)
+    ba += b"\0"  # no buffer export of ``ba`` outlives decode (resizing would raise BufferError)
 
 
 def test_simulated_peers_reduce_identical_everywhere() -> None:
@@ -191,6 +192,15 @@ def test_encode_rejects_bad_input(bad: torch.Tensor) -> None:
         encode_fp32(bad)
     with pytest.raises(ValueError, match="MAX|1e"):
         encode(torch.tensor([0.0, 3e38]))  # beyond MAX_ABS_VALUE: int8 only
+
+
+@pytest.mark.parametrize("pos", [0, 31, 12345, CHUNK_SIZE - 1, CHUNK_SIZE, 99_999])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_encode_rejects_non_finite_anywhere(pos: int, value: float) -> None:
+    x = _gauss(100_000)
+    x[pos] = value
+    with pytest.raises(ValueError):
+        encode(x)
 
 
 def test_fp32_codec_and_get_codec() -> None:

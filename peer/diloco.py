@@ -1,0 +1,121 @@
+"""The DiLoCo math, as pure functions on tensors: no sockets, no clock, no hivemind.
+
+Round r of one peer::
+
+    theta_local = H inner AdamW steps from theta_r         (on the device)
+    delta       = theta_r - theta_local                    (pseudo-gradient, fp32, on the CPU master)
+    avg         = all-reduce(delta) over the group         (or the round is void)
+    theta_r+1   = NesterovSGD(theta_r, avg)                (outer step on the CPU master)
+
+Parameters travel as one flat fp32 vector in ``model.parameters()`` order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def flat_numel(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+@torch.no_grad()
+def copy_params_to_flat(params: Iterable[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Writes the parameters, in order, into ``out`` (n,) fp32 on the CPU; returns it."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        out[offset : offset + n].copy_(p.detach().reshape(-1))
+        offset += n
+    assert offset == out.numel(), "flat buffer does not match the parameters"
+    return out
+
+
+@torch.no_grad()
+def copy_flat_to_params(flat: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
+    """Writes ``flat`` (n,) back into the parameters (on whatever device they live)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+    assert offset == flat.numel(), "flat buffer does not match the parameters"
+
+
+@torch.no_grad()
+def pseudo_gradient(master: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """delta = theta_r - theta_local, (n,) fp32. Positive delta means "the inner steps moved down"."""
+    return torch.sub(master, local, out=out)
+
+
+@torch.no_grad()
+def nesterov_outer_step(
+    master: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float
+) -> None:
+    """One outer Nesterov SGD step on the master copy, in place, with the averaged pseudo-gradient.
+
+    Same update as ``torch.optim.SGD(nesterov=True, momentum=mu, lr=lr)`` with ``grad = delta``
+    (dampening 0, no weight decay), written out so every peer runs exactly the same elementwise ops:
+        m  <- mu * m + delta
+        theta <- theta - lr * (delta + mu * m)
+    """
+    momentum.mul_(mu).add_(delta)
+    update = delta.add(momentum, alpha=mu)
+    master.sub_(update, alpha=lr)
+
+
+def state_hash(round_: int, master: torch.Tensor, momentum: torch.Tensor) -> str:
+    """SHA-256 over the round number and the exact bytes of the outer state (hex)."""
+    h = hashlib.sha256(b"hivetrain-state-v1\0")
+    h.update(struct.pack("<Q", round_))
+    for t in (master, momentum):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(struct.pack("<Q", t.numel()))
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+class OuterState:
+    """The outer (shared) state of a peer: the fp32 master copy, the outer momentum and the round.
+
+    Every member of a group must hold bit-identical ``OuterState`` after a completed round.
+    Owned and mutated only by the training thread.
+    """
+
+    def __init__(self, model: nn.Module, lr: float, momentum: float):
+        params = list(model.parameters())
+        n = flat_numel(params)
+        self.lr, self.mu = lr, momentum
+        self.round = 0
+        self.master = copy_params_to_flat(params, torch.empty(n, dtype=torch.float32))  # (n,) fp32, CPU
+        self.momentum = torch.zeros(n, dtype=torch.float32)  # (n,) fp32, CPU
+        self._local = torch.empty(n, dtype=torch.float32)  # (n,) scratch for theta_local
+        self._delta = torch.empty(n, dtype=torch.float32)  # (n,) scratch for the pseudo-gradient
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def hash(self) -> str:
+        return state_hash(self.round, self.master, self.momentum)
+
+    def pseudo_gradient(self, model: nn.Module) -> torch.Tensor:
+        """Returns delta = master - params (a view of an internal buffer, valid until the next call)."""
+        copy_params_to_flat(model.parameters(), self._local)
+        return pseudo_gradient(self.master, self._local, out=self._delta)
+
+    def apply(self, averaged: torch.Tensor, model: nn.Module) -> None:
+        """Completes the round: outer step with the group's averaged delta, then params <- master."""
+        nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu)
+        self.round += 1
+        copy_flat_to_params(self.master, model.parameters())
+
+    def void(self, model: nn.Module) -> None:
+        """Voids the round: nothing is applied, params are restored to the master, the round advances."""
+        self.round += 1
+        copy_flat_to_params(self.master, model.parameters())

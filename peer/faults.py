@@ -1,0 +1,57 @@
+"""Fault injection for tests, addressed by point and round: ``--fault kill@after_parts:2``.
+
+A fault fires at most once. Before acting it appends one line to the peer's fault log (when
+one is set), so a test can assert that the fault really happened rather than guess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round")
+ACTIONS = ("kill", "stop", "exit")
+
+
+@dataclass
+class FaultPlan:
+    action: str | None = None
+    point: str | None = None
+    round: int = -1
+    log_path: str | None = None
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str | None, log_path: str | None = None) -> FaultPlan:
+        """Parses ``ACTION@POINT:ROUND``; raises ConfigError with the accepted values."""
+        if not text:
+            return cls(log_path=log_path)
+        try:
+            action, rest = text.split("@", 1)
+            point, round_ = rest.rsplit(":", 1)
+            plan = cls(action, point, int(round_), log_path)
+        except ValueError:
+            raise ConfigError(f"--fault {text!r} must look like ACTION@POINT:ROUND, e.g. kill@after_parts:2") from None
+        if action not in ACTIONS or point not in POINTS or plan.round < 0:
+            raise ConfigError(f"--fault: ACTION in {ACTIONS}, POINT in {POINTS}, ROUND >= 0; got {text!r}")
+        return plan
+
+    def fire(self, point: str, round_: int) -> None:
+        if self.fired or self.action is None or (point, round_) != (self.point, self.round):
+            return
+        self.fired = True
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(f"{self.action}@{point}:{round_} pid={os.getpid()}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            sys.exit(3)

@@ -1,0 +1,321 @@
+"""``Averager`` over hivemind's libp2p streams: matchmaking + reduce-scatter + all-gather of int8 parts.
+
+All coroutines run on the DHT's event loop; ``average`` is the one synchronous entry, called by
+the training thread. Each message is one frame on its own libp2p stream (peer/wire.py), answered
+by an ack. The sender of a message is the libp2p peer id of the stream (authenticated by the
+transport), never a field the sender fills in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.node import DHT
+from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
+from hivetrain.kernels.errors import CodecError
+from hivetrain.kernels.int8 import Codec, get_codec
+
+from .averager import AverageResult, group_hash, group_order, reduce_parts, shard_bounds
+from .errors import RoundFailed
+from .faults import FaultPlan
+from .matchmaking import Reply, View, reconcile_step
+from .wire import ProtocolError, encode_frame, read_frame
+
+logger = logging.getLogger(__name__)
+IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange
+POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
+MAX_GROUPS_PER_ROUND = 4  # distinct group hashes a peer buffers messages for, per round
+
+
+class P2PAverager:
+    """Averages pseudo-gradients with the peers of one run. Construct, then ``start()``."""
+
+    def __init__(self, dht: DHT, identity: Identity, run_key: str, spec: Any, numel: int, faults: FaultPlan):
+        self.dht, self.identity, self.run_key, self.spec = dht, identity, run_key, spec
+        self.numel, self.faults = numel, faults
+        self.codec: Codec = get_codec(spec.compression, spec.chunk_size)
+        self.spec_hash = spec.spec_hash().hex()
+        self.handler_name = f"hivetrain/avg/1/{self.spec_hash[:32]}"
+        self.max_body = self.codec.encoded_nbytes(numel) + 64
+        self.me = ""
+        self.current_round = 0
+        self._views: dict[int, View] = {}
+        # (round, group hash, kind, shard, sender) -> payload
+        self._inbox: dict[tuple[int, str, str, int, str], bytes] = {}
+        self._groups_seen: dict[int, set[str]] = defaultdict(set)
+        self._arrived: asyncio.Event | None = None
+        self._bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+
+    def start(self) -> P2PAverager:
+        self.me = self.dht.peer_id
+
+        async def _register() -> None:
+            self._arrived = asyncio.Event()
+            await self.dht.p2p.add_binary_stream_handler(self.handler_name, self._handle)
+
+        self.dht.run(_register(), timeout=10)
+        return self
+
+    # ---- synchronous entry ----------------------------------------------------------------------
+
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+        budget = self.spec.matchmaking_timeout * 2 + self.spec.allreduce_timeout + 10
+        try:
+            return self.dht.run(self._average(round_, base_hash, delta), timeout=budget)
+        except RoundFailed:
+            raise
+        except Exception as e:  # the round is void whatever went wrong; say what it was
+            raise RoundFailed(f"{type(e).__name__}: {e}"[:300]) from None
+
+    async def _average(self, round_: int, base: str, delta: torch.Tensor) -> AverageResult:
+        t0 = time.monotonic()
+        self._enter_round(round_)
+        view = self._view(round_, base)
+        await self._announce_ready(round_, base)
+        order = await self._matchmake(view)
+        t1 = time.monotonic()
+        self.faults.fire("after_matchmaking", round_)
+        averaged = await self._allreduce(round_, base, order, delta)
+        sent, received = self._bytes[round_]
+        return AverageResult(averaged, order, sent, received,
+                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1})
+
+    def _enter_round(self, round_: int) -> None:
+        self.current_round = round_
+        for key in [k for k in self._inbox if k[0] < round_]:
+            del self._inbox[key]
+        for r in [r for r in self._views if r < round_ - 1]:
+            del self._views[r]
+
+    def _view(self, round_: int, base: str) -> View:
+        view = self._views.get(round_)
+        if view is None or view.base != base:
+            view = self._views[round_] = View(round_, base, self.me)
+        return view
+
+    # ---- matchmaking ----------------------------------------------------------------------------
+
+    async def _announce_ready(self, round_: int, base: str) -> None:
+        payload = encode_payload("ready", dict(peer_id=self.me, round=round_, base_hash=base,
+                                               spec_hash=self.spec_hash))
+        expiration = time.time() + self.spec.matchmaking_timeout + self.spec.allreduce_timeout
+        envelope = Envelope.sign(self.identity, "ready", ready_key(self.run_key, round_), payload, expiration)
+        if not await asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout):
+            raise RoundFailed("could not publish the ready record to the DHT")
+
+    async def _ready_peers(self, view: View) -> set[str]:
+        found = set()
+        for envelope in await asyncio.wait_for(self.dht.aget(ready_key(self.run_key, view.round)), 5.0):
+            try:
+                fields = decode_payload("ready", envelope.payload)
+            except Exception:
+                continue
+            if (fields["round"], fields["base_hash"], fields["spec_hash"]) == (view.round, view.base, self.spec_hash):
+                found.add(fields["peer_id"])
+        return found
+
+    async def _matchmake(self, view: View) -> tuple[str, ...]:
+        spec = self.spec
+        window_end = time.monotonic() + spec.matchmaking_timeout
+        while view.decided is None and len(view.effective()) < spec.target_group_size:
+            view.merge(sorted(await self._ready_peers(view)), [])
+            remaining = window_end - time.monotonic()
+            if remaining <= 0 or len(view.effective()) >= spec.target_group_size:
+                break
+            view.changed.clear()
+            try:
+                await asyncio.wait_for(view.changed.wait(), min(POLL, remaining))
+            except asyncio.TimeoutError:
+                pass
+        agree_end = time.monotonic() + max(5.0, spec.matchmaking_timeout / 2)
+        while view.decided is None:
+            if time.monotonic() > agree_end:
+                raise RoundFailed(f"no agreement on the group of round {view.round}")
+            if self.me in view.excluded:
+                raise RoundFailed("excluded from the group by the other peers")
+            asked = sorted(view.effective() - {self.me})
+            if not asked:
+                view.decided = (self.me,)
+                break
+            replies = await asyncio.gather(*(self._ask_view(view, peer) for peer in asked))
+            if view.decided is None:  # a handler may have adopted a decision meanwhile
+                reconcile_step(view, dict(zip(asked, replies)))
+        if len(view.decided) < spec.min_group_size:
+            raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
+        return group_order(view.decided, view.round, view.base)
+
+    async def _ask_view(self, view: View, peer: str) -> Reply | None:
+        header = self._header("view", view.round, view.base, members=sorted(view.members),
+                              excluded=sorted(view.excluded))
+        try:
+            reply, _ = await self._request(peer, header, b"", view.round)
+        except (RoundFailed, ProtocolError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            logger.debug("view request to %s failed: %s", peer, e)
+            return None
+        if reply["type"] != "view_reply" or reply["base"] != view.base:
+            return None
+        return Reply(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"])
+
+    def _on_view(self, sender: str, header: dict[str, Any]) -> dict[str, Any]:
+        round_, base = header["round"], header["base"]
+        view = self._views.get(round_)
+        fields: dict[str, Any] = dict(members=[], excluded=[], decided=False)
+        if view is None:
+            if round_ < self.current_round:
+                fields["decided"] = True  # done with that round, without the sender
+        elif view.decided is not None:
+            fields.update(members=list(view.decided), decided=True)
+        elif view.base == base:
+            view.merge(header["members"] + [sender], header["excluded"])
+            fields.update(members=sorted(view.members), excluded=sorted(view.excluded))
+        return self._header("view_reply", round_, base, **fields)
+
+    # ---- all-reduce -----------------------------------------------------------------------------
+
+    async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + self.spec.allreduce_timeout
+        gh = group_hash(order, round_, base)
+        bounds = shard_bounds(self.numel, len(order))
+        mine = order.index(self.me)
+        loop = asyncio.get_running_loop()
+        parts = await loop.run_in_executor(None, lambda: [self.codec.encode(delta[s:e].contiguous()) for s, e in bounds])
+        self._inbox[(round_, gh, "part", mine, self.me)] = parts[mine]
+        self.faults.fire("before_parts", round_)
+        await self._send_all(round_, base, gh, "part", order, {k: parts[k] for k in range(len(order)) if k != mine},
+                             deadline, strict=True)
+        self.faults.fire("after_parts", round_)
+
+        await self._wait_for(lambda: all((round_, gh, "part", mine, p) in self._inbox for p in order), deadline,
+                             f"parts of shard {mine}")
+        s, e = bounds[mine]
+        inputs = [self._inbox[(round_, gh, "part", mine, p)] for p in order]
+        try:
+            result = await loop.run_in_executor(None, reduce_parts, inputs, e - s, self.codec)
+        except CodecError as err:
+            raise RoundFailed(f"a part of shard {mine} is malformed: {err}") from None
+        self._inbox[(round_, gh, "result", mine, self.me)] = result
+        self.faults.fire("before_results", round_)
+        await self._send_all(round_, base, gh, "result", order, {k: result for k in range(len(order)) if k != mine},
+                             deadline, strict=False)
+
+        await self._wait_for(lambda: all((round_, gh, "result", k, p) in self._inbox for k, p in enumerate(order)),
+                             deadline, "results of every shard")
+        averaged = torch.empty(self.numel, dtype=torch.float32)  # (n,) fp32
+        for k, (s, e) in enumerate(bounds):
+            try:
+                averaged[s:e] = self.codec.decode(self._inbox[(round_, gh, "result", k, order[k])], e - s)
+            except CodecError as err:
+                raise RoundFailed(f"the result of shard {k} from {order[k]} is malformed: {err}") from None
+        return averaged
+
+    async def _send_all(self, round_: int, base: str, gh: str, kind: str, order: tuple[str, ...],
+                        bodies: dict[int, bytes], deadline: float, strict: bool) -> None:
+        """Sends ``bodies[k]`` to member k (parts: shard k is theirs; results: shard = mine)."""
+        mine = order.index(self.me)
+
+        async def send(k: int) -> None:
+            shard = k if kind == "part" else mine
+            header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order))
+            ack, _ = await self._request(order[k], header, bodies[k], round_, deadline)
+            if not ack.get("ok", False):
+                raise RoundFailed(f"{order[k]} refused our {kind}: {ack.get('reason', '')}")
+
+        results = await asyncio.gather(*(send(k) for k in bodies), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and strict:
+            raise RoundFailed(f"could not deliver {kind}s: {errors[0]!r}"[:300])
+        for err in errors:  # a member that cannot get our result voids its own round; we can still finish
+            logger.info("round %d: %s delivery failed: %r", round_, kind, err)
+
+    async def _wait_for(self, ready: Any, deadline: float, what: str) -> None:
+        assert self._arrived is not None
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RoundFailed(f"deadline passed waiting for the {what}")
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- transport ------------------------------------------------------------------------------
+
+    def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "run": self.spec_hash, "round": round_, "base": base, **fields}
+
+    async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
+                       deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+        from hivemind.p2p import PeerID
+
+        timeout = IO_TIMEOUT if deadline is None else max(0.1, deadline - time.monotonic())
+        frame = encode_frame(header, body)
+        async with asyncio.timeout(timeout):
+            _, reader, writer = await self.dht.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer), self.handler_name
+            )
+            try:
+                writer.write(frame)
+                await writer.drain()
+                self._bytes[round_][0] += len(frame)
+                reply, reply_body = await read_frame(reader, timeout, max_body=0)
+            finally:
+                writer.close()
+        return reply, reply_body
+
+    async def _handle(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = stream_info.peer_id.to_base58()
+        header: dict[str, Any] = {"round": 0, "base": "0" * 64}
+        try:
+            header, body = await read_frame(reader, IO_TIMEOUT + self.spec.allreduce_timeout, self.max_body)
+            if header["run"] != self.spec_hash:
+                raise ProtocolError("message for another run spec")
+            round_ = header["round"]
+            if not (self.current_round - 1 <= round_ <= self.current_round + 1):
+                raise ProtocolError(f"round {round_} is not current ({self.current_round})")
+            self._bytes[round_][1] += len(body) + 64
+            if header["type"] == "view":
+                reply = self._on_view(sender, header)
+            elif header["type"] in ("part", "result"):
+                self._on_payload(sender, header, body)
+                reply = self._header("ack", round_, header["base"], ok=True, reason="")
+            else:
+                raise ProtocolError(f"unexpected message type {header['type']}")
+        except (ProtocolError, CodecError) as e:
+            reply = self._header("ack", header["round"], header["base"], ok=False, reason=str(e)[:200])
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            writer.close()
+            return
+        try:
+            writer.write(encode_frame(reply))
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
+        round_, gh, kind, shard, size = header["round"], header["group"], header["type"], header["shard"], header["size"]
+        if not 1 <= size or shard >= size:
+            raise ProtocolError("shard index out of range")
+        seen = self._groups_seen[round_]
+        if gh not in seen and len(seen) >= MAX_GROUPS_PER_ROUND:
+            raise ProtocolError("too many groups for one round")
+        s, e = shard_bounds(self.numel, size)[shard]
+        if len(body) != self.codec.encoded_nbytes(e - s):
+            raise ProtocolError(f"{kind} for shard {shard} has {len(body)} bytes, expected "
+                                f"{self.codec.encoded_nbytes(e - s)}")
+        key = (round_, gh, kind, shard, sender)
+        if key in self._inbox:
+            raise ProtocolError(f"duplicate {kind}")
+        seen.add(gh)
+        self._inbox[key] = body
+        assert self._arrived is not None
+        self._arrived.set()

@@ -1,0 +1,162 @@
+"""The DiLoCo loop of one peer: H inner steps, pseudo-gradient, group all-reduce, outer step.
+
+Runs on the training thread. Everything network-related goes through the ``Averager`` seam and
+the ``heartbeat`` callback; a failed round is void and handled in exactly one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from .averager import Averager
+from .config import RunSpec
+from .data import Corpus, ShardSampler, eval_batches, evaluate
+from .diloco import OuterState
+from .errors import RoundFailed
+from .faults import FaultPlan
+from .model import build_model
+
+
+def ring_allreduce_bytes(numel: int, group_size: int, bytes_per_value: int = 4) -> int:
+    """Bytes one member sends in a bandwidth-optimal fp32 all-reduce (what DDP sends per step)."""
+    if group_size <= 1:
+        return 0
+    return 2 * (group_size - 1) * numel * bytes_per_value // group_size
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; flushed at once so other processes can follow it."""
+
+    def __init__(self, path: str | None):
+        self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+@dataclass(frozen=True)
+class TrainerParts:
+    """What the loop needs, built by the caller (the CLI) and passed in."""
+
+    spec: RunSpec
+    peer_id: str
+    corpus: Corpus
+    averager: Averager
+    metrics: MetricsWriter
+    faults: FaultPlan
+
+
+class Trainer:
+    def __init__(self, parts: TrainerParts, device: str = "cpu", eval_batch_count: int = 8,
+                 log: Callable[[str], None] = print, heartbeat: Callable[..., None] | None = None):
+        spec = parts.spec
+        self.parts, self.spec, self.device, self.log = parts, spec, torch.device(device), log
+        self.heartbeat = heartbeat or (lambda **kw: None)
+        self.model = build_model(spec.model, spec.init_seed).to(self.device)
+        self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum)
+        self.inner_opt = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95)
+        )
+        seed = int.from_bytes(hashlib.sha256(parts.peer_id.encode()).digest()[:8], "little")
+        self.sampler = ShardSampler(parts.corpus.train, spec.seq_len, spec.batch_size, seed)
+        self.eval_set = eval_batches(parts.corpus.heldout, spec.seq_len, spec.batch_size, eval_batch_count)
+        self.numel = self.outer.numel
+        self.totals = {"bytes_sent": 0, "bytes_received": 0, "inner_steps": 0, "rounds_completed": 0,
+                       "rounds_void": 0, "ddp_equivalent_bytes": 0}
+
+    def _eval(self) -> float | None:
+        return evaluate(self.model, self.eval_set, self.device) if self.eval_set else None
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def inner_steps(self) -> tuple[float, float]:
+        """H AdamW steps from the current parameters; returns (mean train loss, tokens per second)."""
+        self.model.train()
+        total, t0 = 0.0, time.perf_counter()
+        for _ in range(self.spec.sync_every):
+            x, y = self.sampler.next_batch()
+            with self._autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            assert loss is not None
+            loss.backward()
+            if self.spec.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+            self.inner_opt.step()
+            self.inner_opt.zero_grad(set_to_none=True)
+            total += float(loss)
+        seconds = time.perf_counter() - t0
+        tokens = self.spec.sync_every * self.spec.batch_size * self.spec.seq_len
+        return total / self.spec.sync_every, tokens / max(seconds, 1e-9)
+
+    def run(self, max_rounds: int) -> dict[str, Any]:
+        """Trains until ``max_rounds`` rounds have passed (0: forever); returns the totals."""
+        initial = self._eval()
+        self.parts.metrics.write({"event": "start", "round": 0, "state_hash": self.outer.hash(),
+                                  "eval_loss": initial, "numel": self.numel, "peer_id": self.parts.peer_id})
+        self.log(f"start: {self.numel:,} parameters, held-out loss {_fmt(initial)}, state {self.outer.hash()[:12]}")
+        self.heartbeat(round=0, state_hash=self.outer.hash(), throughput=0.0, train_loss=None, eval_loss=initial)
+        while max_rounds == 0 or self.outer.round < max_rounds:
+            self.run_round()
+        return dict(self.totals, initial_eval_loss=initial)
+
+    def run_round(self) -> dict[str, Any]:
+        r, base = self.outer.round, self.outer.hash()
+        t0 = time.perf_counter()
+        train_loss, tokens_per_s = self.inner_steps()
+        if not math.isfinite(train_loss):
+            raise RoundFailed(f"training loss became {train_loss} in round {r}; refusing to share it")
+        delta = self.outer.pseudo_gradient(self.model)
+        t1 = time.perf_counter()
+        record: dict[str, Any] = {"event": "round", "round": r, "base_hash": base, "inner_steps": self.spec.sync_every,
+                                  "train_loss": train_loss, "tokens_per_s": tokens_per_s, "compute_s": t1 - t0}
+        try:
+            result = self.parts.averager.average(r, base, delta)
+        except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
+            self.outer.void(self.model)
+            self.totals["rounds_void"] += 1
+            record.update(void=True, why=str(e), group_size=0, group=[], bytes_sent=0, bytes_received=0)
+            self.log(f"round {r}: VOID ({e}); parameters restored")
+        else:
+            self.outer.apply(result.averaged, self.model)
+            self.totals["rounds_completed"] += 1
+            self.totals["bytes_sent"] += result.bytes_sent
+            self.totals["bytes_received"] += result.bytes_received
+            self.totals["ddp_equivalent_bytes"] += self.spec.sync_every * ring_allreduce_bytes(
+                self.numel, len(result.group))
+            record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
+                          bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, **result.stats)
+        self.totals["inner_steps"] += self.spec.sync_every
+        record["allreduce_s"] = time.perf_counter() - t1
+        eval_loss = self._eval()
+        state = self.outer.hash()
+        record.update(state_hash=state, eval_loss=eval_loss)
+        self.parts.metrics.write(record)
+        self.heartbeat(round=self.outer.round, state_hash=state, throughput=tokens_per_s,
+                       train_loss=train_loss, eval_loss=eval_loss)
+        if not record["void"]:
+            self.log(f"round {r}: train {train_loss:.3f} | held-out {_fmt(eval_loss)} | group {record['group_size']} "
+                     f"| sent {record['bytes_sent'] / 1e6:.2f} MB | {record['compute_s']:.1f}s compute "
+                     f"{record['allreduce_s']:.1f}s all-reduce | state {state[:12]}")
+        self.parts.faults.fire("after_round", r)
+        return record
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
