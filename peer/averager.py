@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-
 from hivetrain.kernels.int8 import Codec
 
 from .errors import RoundFailed

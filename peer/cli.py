@@ -103,7 +103,6 @@ def _stop_on_sigterm() -> None:
 
 def cmd_start(args: argparse.Namespace) -> int:
     import torch
-
     from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
 

@@ -15,7 +15,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT
 from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
@@ -132,7 +131,7 @@ class P2PAverager:
             view.changed.clear()
             try:
                 await asyncio.wait_for(view.changed.wait(), min(POLL, remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         agree_end = time.monotonic() + max(5.0, spec.matchmaking_timeout / 2)
         while view.decided is None:
@@ -146,7 +145,7 @@ class P2PAverager:
                 break
             replies = await asyncio.gather(*(self._ask_view(view, peer) for peer in asked))
             if view.decided is None:  # a handler may have adopted a decision meanwhile
-                reconcile_step(view, dict(zip(asked, replies)))
+                reconcile_step(view, dict(zip(asked, replies, strict=True)))
         if len(view.decided) < spec.min_group_size:
             raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
         return group_order(view.decided, view.round, view.base)
@@ -156,7 +155,7 @@ class P2PAverager:
                               excluded=sorted(view.excluded))
         try:
             reply, _ = await self._request(peer, header, b"", view.round)
-        except (RoundFailed, ProtocolError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except (TimeoutError, RoundFailed, ProtocolError, OSError, asyncio.IncompleteReadError) as e:
             logger.debug("view request to %s failed: %s", peer, e)
             return None
         if reply["type"] != "view_reply" or reply["base"] != view.base:
@@ -243,7 +242,7 @@ class P2PAverager:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     # ---- transport ------------------------------------------------------------------------------
@@ -290,7 +289,7 @@ class P2PAverager:
                 raise ProtocolError(f"unexpected message type {header['type']}")
         except (ProtocolError, CodecError) as e:
             reply = self._header("ack", header["round"], header["base"], ok=False, reason=str(e)[:200])
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, OSError):
             writer.close()
             return
         try:

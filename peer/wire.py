@@ -87,7 +87,7 @@ async def read_frame(
 
     Raises ProtocolError for anything malformed and asyncio.TimeoutError past the deadline."""
     if not math.isfinite(timeout) or timeout <= 0:
-        raise asyncio.TimeoutError()
+        raise TimeoutError()
     async with asyncio.timeout(timeout):
         magic, header_len, body_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
         if magic != MAGIC:
