@@ -7,7 +7,7 @@ Every value this client puts into the DHT is an *envelope*::
 signed with Ed25519 over (kind, key, subkey, payload, expiration), so a record cannot be moved to
 another key, another subkey, or kept alive longer than its signer wanted. ``subkey`` is always the
 signer's fingerprint: a peer can only write under its own name. Payloads are flat msgpack maps with
-a fixed schema per kind; decoding never uses ext hooks, pickle or recursion beyond one level.
+a fixed schema per kind; decoding never uses ext hooks, object deserializers or recursion beyond one level.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""A swarm of real peer processes on loopback trains, averages int8, and stays bit-identical."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hivetrain.peer.trainer import ring_allreduce_bytes
+
+from .conftest import run_cli
+
+
+def test_demo_three_peers_three_rounds(tmp_path: Path) -> None:
+    result = run_cli("demo", "--peers", "3", "--rounds", "3", "--sync-every", "5", "--json",
+                     "--dir", str(tmp_path), timeout=280)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["rounds_completed"] == 3
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert sorted(summary["state_hashes"]) == ["0", "1", "2"]
+    for round_, hashes in summary["state_hashes"].items():
+        assert len(hashes) == 3 and len(set(hashes)) == 1, f"round {round_}: peers disagree: {hashes}"
+
+    # bytes on the wire, as counted by each peer's transport, against an fp32 all-reduce of the same vector
+    numel = summary["parameters"]
+    for i in range(3):
+        lines = (tmp_path / f"peer{i}.jsonl").read_text().splitlines()
+        rounds = [r for r in map(json.loads, lines) if r["event"] == "round"]
+        assert [r["round"] for r in rounds] == [0, 1, 2]
+        for r in rounds:
+            assert not r["void"] and r["group_size"] == 3
+            ratio = r["bytes_sent"] / ring_allreduce_bytes(numel, 3)
+            assert 0.24 < ratio < 0.27, f"int8 bytes are {ratio:.3f} of fp32"
+    # H=5 inner steps per round and int8 instead of fp32: about 4 * 5 = 20x fewer bytes than DDP
+    assert summary["ddp_equivalent_bytes"] > 19 * max(summary["bytes_sent_per_peer"].values())
+
+
+def test_malformed_initial_peers_is_one_clear_line(tmp_path: Path) -> None:
+    result = run_cli("start", "--run", "demo." + "a" * 32, "--initial-peers", "/ip4/127.0.0.1/tcp/notaport",
+                     "--state-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "multiaddr" in lines[0], result.stderr
+
+
+def test_unreachable_initial_peer_is_one_clear_line(tmp_path: Path) -> None:
+    maddr = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    result = run_cli("start", "--run", "demo." + "a" * 32, "--initial-peers", maddr, "--dht-timeout", "5",
+                     "--state-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:
+    owner = swarm("owner", "--new-run", "keyed", "--sync-every", "2", "--max-rounds", "50",
+                  "--matchmaking-timeout", "1", "--quiet")
+    maddr = owner.wait_info()["maddrs"][0]
+    unknown = run_cli("start", "--run", "keyed." + "b" * 32, "--initial-peers", maddr, "--dht-timeout", "3",
+                      "--state-dir", str(tmp_path))
+    assert unknown.returncode != 0
+    assert "Traceback" not in unknown.stderr
+    lines = [line for line in unknown.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no run spec found" in lines[0], unknown.stderr
+
+    malformed = run_cli("start", "--run", "not-a-key", "--initial-peers", maddr, "--state-dir", str(tmp_path))
+    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
+    assert "malformed" in malformed.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups and p2pd are tested on Linux")
+def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
+    owner = swarm("owner", "--new-run", "pair", "--sync-every", "3", "--max-rounds", "2",
+                  "--target-group-size", "2", "--quiet")
+    info = owner.wait_info()
+    joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
+                   "--max-rounds", "2", "--quiet")
+    assert owner.wait(120) == 0 and joiner.wait(120) == 0
+    a, b = owner.records(), joiner.records()
+    assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
+    assert all(r["group_size"] == 2 for r in a + b)
