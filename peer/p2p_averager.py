@@ -92,6 +92,10 @@ class P2PAverager:
             del self._inbox[key]
         for r in [r for r in self._views if r < round_ - 1]:
             del self._views[r]
+        for r in [r for r in self._bytes if r < round_ - 1]:
+            del self._bytes[r]
+        for r in [r for r in self._groups_seen if r < round_ - 1]:
+            del self._groups_seen[r]
 
     def _view(self, round_: int, base: str) -> View:
         view = self._views.get(round_)

@@ -100,7 +100,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
             self.inner_opt.step()
             self.inner_opt.zero_grad(set_to_none=True)
-            total += float(loss)
+            total += float(loss.detach())
         seconds = time.perf_counter() - t0
         tokens = self.spec.sync_every * self.spec.batch_size * self.spec.seq_len
         return total / self.spec.sync_every, tokens / max(seconds, 1e-9)
