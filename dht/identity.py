@@ -37,7 +37,7 @@ def make_run_key(name: str, owner_public_key: bytes) -> str:
 
 def parse_run_key(run_key: str) -> tuple[str, str]:
     """Returns (name, fingerprint); raises ValueError with a user-facing message if malformed."""
-    match = RUN_KEY_RE.match(run_key) if isinstance(run_key, str) else None
+    match = RUN_KEY_RE.fullmatch(run_key) if isinstance(run_key, str) else None
     if match is None:
         raise ValueError(
             f"run key {run_key!r} is malformed: expected <name>.<{FINGERPRINT_LEN} base32 characters>, "

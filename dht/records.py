@@ -45,7 +45,7 @@ def strict_unpack(data: bytes, max_bytes: int) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > max_bytes:
         raise InvalidRecord(f"record larger than {max_bytes} bytes or not bytes")
     try:
-        return msgpack.unpackb(
+        value = msgpack.unpackb(
             bytes(data), raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True,
             max_str_len=MAX_PAYLOAD_BYTES, max_bin_len=MAX_PAYLOAD_BYTES,
             max_array_len=64, max_map_len=32, max_ext_len=0,
@@ -54,6 +54,23 @@ def strict_unpack(data: bytes, max_bytes: int) -> Any:
         raise
     except Exception as e:  # msgpack raises a zoo of types for malformed input
         raise InvalidRecord(f"malformed msgpack: {type(e).__name__}") from None
+    _check_depth(value, MAX_DEPTH)
+    return value
+
+
+MAX_DEPTH = 2  # an envelope is a list of scalars; a payload is a map whose values may hold one list
+
+
+def _check_depth(value: Any, max_depth: int) -> None:
+    """Rejects containers nested deeper than ``max_depth`` (iterative: no recursion to exhaust)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth >= max_depth:
+                raise InvalidRecord(f"record nested deeper than {max_depth} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
 
 
 @dataclass(frozen=True)
@@ -144,7 +161,7 @@ def _is_str(max_len: int) -> Check:
 
 
 def _is_hex64(v: Any) -> bool:
-    return isinstance(v, str) and bool(_HEX64.match(v))
+    return isinstance(v, str) and bool(_HEX64.fullmatch(v))
 
 
 def _optional(check: Check) -> Check:
@@ -181,7 +198,7 @@ def check_payload(kind: str, fields: Any) -> dict[str, Any]:
         raise InvalidRecord(f"{kind} record must have exactly the fields {sorted(schema)}")
     for name, check in schema.items():
         if not check(fields[name]):
-            raise InvalidRecord(f"{kind} record field {name!r} is invalid: {fields[name]!r}"[:200])
+            raise InvalidRecord(f"{kind} record field {name!r} is invalid")
     return fields
 
 

@@ -38,7 +38,7 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
     if expiration_time > envelope.expiration:
         raise InvalidRecord("DHT expiration is later than the signed expiration")
     parts = envelope.key.split("/")
-    if len(parts) < 3 or parts[0] != "hivetrain" or not RUN_KEY_RE.match(parts[1]):
+    if len(parts) < 3 or parts[0] != "hivetrain" or not RUN_KEY_RE.fullmatch(parts[1]):
         raise InvalidRecord("record key is not a hivetrain run key")
     expected = {"spec": ("spec",), "hb": ("peers",), "ready": ("ready", "<round>")}[envelope.kind]
     if len(parts) - 2 != len(expected) or parts[2] != expected[0] or (len(parts) == 4 and not parts[3].isdigit()):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from hivetrain.kernels.int8 import Codec
 
 from .errors import RoundFailed
@@ -90,7 +91,7 @@ class InMemoryHub:
         self._barrier = threading.Barrier(size)
         self._lock = threading.Lock()
         self._submitted: dict[str, tuple[int, str, torch.Tensor]] = {}
-        self._result: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}
+        self._outcome: tuple[int, tuple[str, ...], torch.Tensor] | None = None
         self.fail_rounds: set[int] = set()  # test hook: these rounds fail for every member
 
     def averager(self, peer_id: str) -> InMemoryAverager:
@@ -110,23 +111,22 @@ class InMemoryHub:
         with self._lock:
             self._submitted[peer_id] = (round_, base_hash, delta.clone())
         try:
-            index = self._barrier.wait(self.timeout)
-            if index == 0:
+            if self._barrier.wait(self.timeout) == 0:  # exactly one member computes the outcome
                 with self._lock:
-                    subs = dict(self._submitted)
-                    self._submitted.clear()
-                    if round_ in self.fail_rounds or len({(r, h) for r, h, _ in subs.values()}) != 1:
-                        self._result[round_] = ((), torch.empty(0))
+                    subs, self._submitted = self._submitted, {}
+                    keys = {(r, h) for r, h, _ in subs.values()}
+                    if round_ in self.fail_rounds or len(keys) != 1:
+                        self._outcome = None  # members disagree on the round or base: void for all
                     else:
-                        self._result[round_] = self.all_reduce(
-                            round_, base_hash, {p: d for p, (_, _, d) in subs.items()}
-                        )
+                        self._outcome = (round_, *self.all_reduce(round_, base_hash,
+                                                                  {p: d for p, (_, _, d) in subs.items()}))
             self._barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
             raise RoundFailed(f"in-memory group for round {round_} did not assemble") from None
-        order, averaged = self._result[round_]
-        if not order:
+        outcome = self._outcome
+        if outcome is None or outcome[0] != round_:
             raise RoundFailed(f"round {round_} failed for the whole in-memory group")
+        _, order, averaged = outcome
         return AverageResult(averaged.clone(), order)
 
 

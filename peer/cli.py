@@ -105,15 +105,19 @@ def _stop_on_sigterm() -> None:
 
 def cmd_start(args: argparse.Namespace) -> int:
     import torch
+
     from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
 
+    from . import checkpoint
     from .config import PeerOptions, RunSpec
     from .data import load_corpus
+    from .errors import StateMismatch
     from .faults import FaultPlan
     from .model import build_model, count_parameters
     from .p2p_averager import P2PAverager
     from .run import fetch_spec, new_run, publish_heartbeat, republish
+    from .state_sync import StateKeeper, StateSync
     from .trainer import MetricsWriter, Trainer, TrainerParts
 
     options = PeerOptions(
@@ -141,6 +145,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
 
     p2p_identity = options.identity_path + ".p2p" if options.identity_path else None
+    state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
                          announce_maddrs=options.announce_maddrs, p2p_identity_path=p2p_identity,
                          timeout=options.dht_timeout)).start()
@@ -181,8 +186,20 @@ def cmd_start(args: argparse.Namespace) -> int:
             except Exception as e:  # a DHT hiccup must not stop training; say so
                 say(f"warning: heartbeat not published ({type(e).__name__})")
 
-        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, faults), options.device,
-                          options.eval_batches, say, heartbeat)
+        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, spec.sync_quorum, faults).start()
+        ckpt_dir = os.path.join(options.state_dir, "checkpoints")
+        os.makedirs(ckpt_dir, exist_ok=True)
+        ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
+        keeper = StateKeeper(sync, ckpt_path, timeout=spec.allreduce_timeout * 5, log=say)
+        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, faults, keeper),
+                          options.device, options.eval_batches, say, heartbeat)
+        try:
+            saved = checkpoint.read(ckpt_path, numel)
+        except StateMismatch as e:
+            say(f"warning: ignoring the local checkpoint ({e})")
+            saved = None
+        if saved is not None:
+            trainer.resume(saved)
         try:
             totals = trainer.run(options.max_rounds)
         finally:

@@ -22,14 +22,23 @@ COMPRESSIONS = ("int8", "fp32")
 SPEC_VERSION = 1
 
 
+def _short(value: object) -> str:
+    """A bounded description of a possibly hostile value (never a deep repr)."""
+    if isinstance(value, (int, float, bool)) or value is None:
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:40])
+    return f"a {type(value).__name__}"
+
+
 def _check_range(owner: str, name: str, value: float, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-        raise ConfigError(f"{owner}.{name} must be a number in [{lo}, {hi}], got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be a number in [{lo}, {hi}], got {_short(value)}")
 
 
 def _check_int(owner: str, name: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not (lo <= value <= hi):
-        raise ConfigError(f"{owner}.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be an integer in [{lo}, {hi}], got {_short(value)}")
 
 
 @dataclass(frozen=True)
@@ -105,18 +114,19 @@ class RunSpec:
     matchmaking_timeout: float = 15.0  # seconds a peer waits for others to be ready for a round
     allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
     init_seed: int = 0
+    sync_quorum: int = 2  # independent peers that must attest a state before a joiner accepts it
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not RUN_NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not RUN_NAME_RE.fullmatch(self.name):
             raise ConfigError(
-                f"run name {self.name!r} is invalid: use 1-48 characters of a-z, 0-9, '-' and '_', "
+                f"run name {_short(self.name)} is invalid: use 1-48 characters of a-z, 0-9, '-' and '_', "
                 "starting with a letter or digit"
             )
         if not isinstance(self.model, ModelConfig):
             raise ConfigError("spec.model must be a ModelConfig")
-        if not (self.dataset == "sotu" or re.fullmatch(r"files:[0-9a-f]{64}", self.dataset)):
-            raise ConfigError(f"spec.dataset must be 'sotu' or 'files:<sha256>', got {self.dataset!r}")
+        if not (self.dataset == "sotu" or (isinstance(self.dataset, str) and re.fullmatch(r"files:[0-9a-f]{64}", self.dataset))):
+            raise ConfigError(f"spec.dataset must be 'sotu' or 'files:<sha256>', got {_short(self.dataset)}")
         _check_int("spec", "seq_len", self.seq_len, 8, self.model.max_seq_len)
         _check_int("spec", "batch_size", self.batch_size, 1, 4096)
         _check_range("spec", "inner_lr", self.inner_lr, 1e-7, 1.0)
@@ -126,13 +136,14 @@ class RunSpec:
         _check_range("spec", "outer_lr", self.outer_lr, 0.0, 10.0)
         _check_range("spec", "outer_momentum", self.outer_momentum, 0.0, 0.999)
         if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+            raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {_short(self.compression)}")
         _check_int("spec", "chunk_size", self.chunk_size, 256, 1 << 24)
         _check_int("spec", "target_group_size", self.target_group_size, 1, 64)
         _check_int("spec", "min_group_size", self.min_group_size, 1, self.target_group_size)
         _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)
         _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
         _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
+        _check_int("spec", "sync_quorum", self.sync_quorum, 1, 64)
         if self.version != SPEC_VERSION:
             raise ConfigError(f"run spec version {self.version} is not supported (this client speaks {SPEC_VERSION})")
 

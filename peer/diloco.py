@@ -12,12 +12,12 @@ Parameters travel as one flat fp32 vector in ``model.parameters()`` order.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from .state import Snapshot
 
 
 def flat_numel(params: Iterable[torch.Tensor]) -> int:
@@ -64,20 +64,17 @@ def nesterov_outer_step(
         m  <- mu * m + delta
         theta <- theta - lr * (delta + mu * m)
     """
+    # Separate multiply and add kernels, never a fused multiply-add: torch's AVX2/AVX-512 paths fuse
+    # ``add(alpha=...)`` and the plain path does not, and peers on different CPUs must agree bitwise.
     momentum.mul_(mu).add_(delta)
-    update = delta.add(momentum, alpha=mu)
-    master.sub_(update, alpha=lr)
+    update = momentum.mul(mu).add_(delta)  # delta + mu * m
+    master.sub_(update.mul_(lr))
 
 
 def state_hash(round_: int, master: torch.Tensor, momentum: torch.Tensor) -> str:
-    """SHA-256 over the round number and the exact bytes of the outer state (hex)."""
-    h = hashlib.sha256(b"hivetrain-state-v1\0")
-    h.update(struct.pack("<Q", round_))
-    for t in (master, momentum):
-        t = t.detach().to("cpu", torch.float32).contiguous()
-        h.update(struct.pack("<Q", t.numel()))
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
+    """The hash that members attest: commits to the round and the exact bytes of the outer state."""
+    return Snapshot.of(round_, master.detach().to("cpu", torch.float32).contiguous(),
+                       momentum.detach().to("cpu", torch.float32).contiguous()).hash
 
 
 class OuterState:
@@ -96,13 +93,31 @@ class OuterState:
         self.momentum = torch.zeros(n, dtype=torch.float32)  # (n,) fp32, CPU
         self._local = torch.empty(n, dtype=torch.float32)  # (n,) scratch for theta_local
         self._delta = torch.empty(n, dtype=torch.float32)  # (n,) scratch for the pseudo-gradient
+        self._snapshot: Snapshot | None = None
 
     @property
     def numel(self) -> int:
         return self.master.numel()
 
+    def snapshot(self) -> Snapshot:
+        """The state at the current round boundary (cached until the state changes)."""
+        if self._snapshot is None or self._snapshot.round != self.round:
+            self._snapshot = Snapshot.of(self.round, self.master, self.momentum)
+        return self._snapshot
+
     def hash(self) -> str:
-        return state_hash(self.round, self.master, self.momentum)
+        return self.snapshot().hash
+
+    def load(self, snapshot: Snapshot, model: nn.Module) -> None:
+        """Adopts a verified state (from peers or a checkpoint): master, momentum, round, params."""
+        if snapshot.numel != self.numel:
+            raise ValueError(f"state has {snapshot.numel} values, this model {self.numel}")
+        master, momentum = snapshot.tensors()
+        self.master.copy_(master)
+        self.momentum.copy_(momentum)
+        self.round = snapshot.round
+        self._snapshot = snapshot
+        copy_flat_to_params(self.master, model.parameters())
 
     def pseudo_gradient(self, model: nn.Module) -> torch.Tensor:
         """Returns delta = master - params (a view of an internal buffer, valid until the next call)."""
@@ -113,9 +128,11 @@ class OuterState:
         """Completes the round: outer step with the group's averaged delta, then params <- master."""
         nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu)
         self.round += 1
+        self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())
 
     def void(self, model: nn.Module) -> None:
         """Voids the round: nothing is applied, params are restored to the master, the round advances."""
         self.round += 1
+        self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())

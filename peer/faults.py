@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round")
-ACTIONS = ("kill", "stop", "exit")
+POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state")
+ACTIONS = ("kill", "stop", "exit", "corrupt")
 
 
 @dataclass
@@ -40,15 +40,27 @@ class FaultPlan:
             raise ConfigError(f"--fault: ACTION in {ACTIONS}, POINT in {POINTS}, ROUND >= 0; got {text!r}")
         return plan
 
-    def fire(self, point: str, round_: int) -> None:
-        if self.fired or self.action is None or (point, round_) != (self.point, self.round):
-            return
-        self.fired = True
+    def active(self, point: str, round_: int) -> bool:
+        """For standing faults (``corrupt@serve_state:R``): true from round R on; logged once."""
+        if self.action is None or self.point != point or round_ < self.round:
+            return False
+        if not self.fired:
+            self.fired = True
+            self._log(f"{self.action}@{point}:{round_}")
+        return True
+
+    def _log(self, line: str) -> None:
         if self.log_path:
             with open(self.log_path, "a") as f:
-                f.write(f"{self.action}@{point}:{round_} pid={os.getpid()}\n")
+                f.write(f"{line} pid={os.getpid()}\n")
                 f.flush()
                 os.fsync(f.fileno())
+
+    def fire(self, point: str, round_: int) -> None:
+        if self.fired or self.action in (None, "corrupt") or (point, round_) != (self.point, self.round):
+            return
+        self.fired = True
+        self._log(f"{self.action}@{point}:{round_}")
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":

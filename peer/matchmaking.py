@@ -65,7 +65,7 @@ def reconcile_step(view: View, replies: dict[str, Reply | None]) -> tuple[str, .
 
     ``replies`` maps each other member of the view (as it was when asked) to its reply, or None if
     it did not answer in time."""
-    asked = view.effective()
+    asked = frozenset(replies) | {view.me}  # the view as it was when asked: handlers may grow it meanwhile
     for peer, reply in replies.items():
         if reply is None:
             view.exclude(peer)

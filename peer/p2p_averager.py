@@ -15,17 +15,19 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT
 from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
 
+from . import transport
 from .averager import AverageResult, group_hash, group_order, reduce_parts, shard_bounds
 from .errors import RoundFailed
 from .faults import FaultPlan
 from .matchmaking import Reply, View, reconcile_step
-from .wire import ProtocolError, encode_frame, read_frame
+from .wire import ProtocolError, read_frame
 
 logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange
@@ -256,22 +258,11 @@ class P2PAverager:
 
     async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
                        deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
-        from hivemind.p2p import PeerID
-
         timeout = IO_TIMEOUT if deadline is None else max(0.1, deadline - time.monotonic())
-        frame = encode_frame(header, body)
-        async with asyncio.timeout(timeout):
-            _, reader, writer = await self.dht.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer), self.handler_name
-            )
-            try:
-                writer.write(frame)
-                await writer.drain()
-                self._bytes[round_][0] += len(frame)
-                reply, reply_body = await read_frame(reader, timeout, max_body=0)
-            finally:
-                writer.close()
-        return reply, reply_body
+        reply_header, reply_body, sent = await transport.request(
+            self.dht.p2p, peer, self.handler_name, header, body, timeout)
+        self._bytes[round_][0] += sent
+        return reply_header, reply_body
 
     async def _handle(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = stream_info.peer_id.to_base58()
@@ -296,13 +287,7 @@ class P2PAverager:
         except (TimeoutError, asyncio.IncompleteReadError, OSError):
             writer.close()
             return
-        try:
-            writer.write(encode_frame(reply))
-            await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
+        await transport.reply(writer, reply)
 
     def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         round_, gh, kind, shard, size = header["round"], header["group"], header["type"], header["shard"], header["size"]

@@ -13,17 +13,31 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
 from .averager import Averager
 from .config import RunSpec
 from .data import Corpus, ShardSampler, eval_batches, evaluate
-from .diloco import OuterState
+from .diloco import OuterState, copy_params_to_flat, state_hash
 from .errors import RoundFailed
 from .faults import FaultPlan
 from .model import build_model
+from .state import Snapshot
+
+
+class StateHooks(Protocol):
+    """What the loop asks of the network about state, at round boundaries (training thread)."""
+
+    def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
+        """A verified state this peer should move to (the run is ahead or disagrees) and how it was
+        obtained, or None to keep ours."""
+        ...
+
+    def committed(self, snapshot: Snapshot) -> None:
+        """The state at a new round boundary: serve it to joiners, checkpoint it."""
+        ...
 
 
 def ring_allreduce_bytes(numel: int, group_size: int, bytes_per_value: int = 4) -> int:
@@ -58,6 +72,7 @@ class TrainerParts:
     averager: Averager
     metrics: MetricsWriter
     faults: FaultPlan
+    state: StateHooks | None = None
 
 
 class Trainer:
@@ -111,10 +126,46 @@ class Trainer:
         self.parts.metrics.write({"event": "start", "round": 0, "state_hash": self.outer.hash(),
                                   "eval_loss": initial, "numel": self.numel, "peer_id": self.parts.peer_id})
         self.log(f"start: {self.numel:,} parameters, held-out loss {_fmt(initial)}, state {self.outer.hash()[:12]}")
-        self.heartbeat(round=0, state_hash=self.outer.hash(), throughput=0.0, train_loss=None, eval_loss=initial)
+        self._committed(0.0, None, initial)
         while max_rounds == 0 or self.outer.round < max_rounds:
+            self.catch_up()
+            if max_rounds and self.outer.round >= max_rounds:
+                break
             self.run_round()
         return dict(self.totals, initial_eval_loss=initial)
+
+    def resume(self, snapshot: Snapshot) -> None:
+        """Starts from a verified local checkpoint; the first ``catch_up`` checks it is current."""
+        self.outer.load(snapshot, self.model)
+        self.log(f"resumed from checkpoint: round {snapshot.round}, state {snapshot.hash[:12]}")
+
+    def catch_up(self) -> None:
+        """At a round boundary: moves to the run's state if ours is behind or outvoted."""
+        if self.parts.state is None:
+            return
+        t0 = time.perf_counter()
+        found = self.parts.state.catch_up(self.outer.round, self.outer.hash())
+        if found is None:
+            return
+        snapshot, info = found
+        from_round, from_hash = self.outer.round, self.outer.hash()
+        self.outer.load(snapshot, self.model)
+        eval_loss = self._eval()
+        # the hash of what the model now holds, recomputed from its parameters (not the cached snapshot)
+        params = copy_params_to_flat(self.model.parameters(), torch.empty(self.numel, dtype=torch.float32))
+        loaded_hash = state_hash(self.outer.round, params, self.outer.momentum)
+        self.parts.metrics.write({"event": "sync", "round": snapshot.round, "state_hash": loaded_hash,
+                                  "from_round": from_round, "from_hash": from_hash, "eval_loss": eval_loss,
+                                  "seconds": time.perf_counter() - t0, **info})
+        self.log(f"synced to round {snapshot.round}, state {snapshot.hash[:12]}, held-out {_fmt(eval_loss)}")
+        self._committed(0.0, None, eval_loss)
+
+    def _committed(self, throughput: float, train_loss: float | None, eval_loss: float | None) -> None:
+        snapshot = self.outer.snapshot()
+        if self.parts.state is not None:
+            self.parts.state.committed(snapshot)
+        self.heartbeat(round=snapshot.round, state_hash=snapshot.hash, throughput=throughput,
+                       train_loss=train_loss, eval_loss=eval_loss)
 
     def run_round(self) -> dict[str, Any]:
         r, base = self.outer.round, self.outer.hash()
@@ -148,8 +199,7 @@ class Trainer:
         state = self.outer.hash()
         record.update(state_hash=state, eval_loss=eval_loss)
         self.parts.metrics.write(record)
-        self.heartbeat(round=self.outer.round, state_hash=state, throughput=tokens_per_s,
-                       train_loss=train_loss, eval_loss=eval_loss)
+        self._committed(tokens_per_s, train_loss, eval_loss)
         if not record["void"]:
             self.log(f"round {r}: train {train_loss:.3f} | held-out {_fmt(eval_loss)} | group {record['group_size']} "
                      f"| sent {record['bytes_sent'] / 1e6:.2f} MB | {record['compute_s']:.1f}s compute "

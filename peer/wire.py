@@ -32,7 +32,7 @@ class ProtocolError(PeerError):
 
 
 def _hex64(v: Any) -> bool:
-    return isinstance(v, str) and bool(_HEX64.match(v))
+    return isinstance(v, str) and bool(_HEX64.fullmatch(v))
 
 
 def _int(v: Any, lo: int = 0, hi: int = 2**62) -> bool:
@@ -41,7 +41,7 @@ def _int(v: Any, lo: int = 0, hi: int = 2**62) -> bool:
 
 def _peers(v: Any) -> bool:
     return (isinstance(v, list) and len(v) <= MAX_GROUP
-            and all(isinstance(p, str) and _PEER_ID.match(p) for p in v))
+            and all(isinstance(p, str) and _PEER_ID.fullmatch(p) for p in v))
 
 
 _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int, "base": _hex64}
@@ -55,12 +55,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # all-gather: the reducer's re-encoded result for shard ``shard``
     "result": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
                "size": lambda v: _int(v, 1, MAX_GROUP)},
+    # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
+    "state_req": {**_COMMON, "index": lambda v: _int(v, -1, 2**31)},
+    "state_resp": {**_COMMON, "index": lambda v: _int(v, -1, 2**31), "ok": lambda v: isinstance(v, bool),
+                   "reason": lambda v: isinstance(v, str) and len(v) < 300},
     "ack": {**_COMMON, "ok": lambda v: isinstance(v, bool), "reason": lambda v: isinstance(v, str) and len(v) < 300},
 }
 
 
 def check_header(header: Any) -> dict[str, Any]:
-    if not isinstance(header, dict) or header.get("type") not in SCHEMAS:
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str) or header["type"] not in SCHEMAS:
         raise ProtocolError("unknown message type")
     schema = SCHEMAS[header["type"]]
     if set(header) != set(schema):

@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import (
     CHUNK_SIZE,

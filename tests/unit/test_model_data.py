@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hivetrain.peer.config import PRESETS, ModelConfig
 from hivetrain.peer.data import (
     Corpus,

@@ -1,0 +1,127 @@
+"""Peers join, crash, stall and restart mid-run: verified state sync and void-or-identical rounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FAST = ["--sync-every", "4", "--allreduce-timeout", "8"]
+
+
+def _wait_rounds(peers: list[Any], n: int, timeout: float) -> None:
+    """Waits until every peer has written ``n`` round records (a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while not all(len(p.records()) >= n for p in peers):
+        for p in peers:
+            assert p.proc.poll() is None, f"{p.name} exited:\n{p.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {n} rounds:\n" + "\n".join(
+            p.log.read_text()[-1500:] for p in peers)
+        try:
+            peers[0].proc.wait(0.2)
+        except Exception:
+            pass
+
+
+def _hash_after(peer: Any, round_: int) -> str:
+    return next(r["state_hash"] for r in peer.records() if r["round"] == round_)
+
+
+def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_path: Path) -> None:
+    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "6", "--target-group-size", "4",
+                  "--matchmaking-timeout", "10", "--quiet")
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "6", "--quiet"]
+    poisoned = swarm("p1", *join, "--fault", "corrupt@serve_state:0", "--fault-log", str(tmp_path / "fault.log"))
+    p2 = swarm("p2", *join)
+    _wait_rounds([owner, poisoned, p2], 2, 150)
+
+    joiner = swarm("p3", *join)
+    assert joiner.wait(240) == 0, joiner.log.read_text()[-3000:]
+    for p in (owner, poisoned, p2):
+        assert p.wait(120) == 0
+
+    syncs = joiner.records("sync")
+    assert len(syncs) == 1, syncs
+    sync = syncs[0]
+    # right after the sync, the joiner's parameters hash to the state the others announced for that round
+    assert sync["state_hash"] == _hash_after(owner, sync["round"] - 1) == _hash_after(p2, sync["round"] - 1)
+    # the poisoned donor really served bad bytes and was dropped; the others completed the download
+    assert (tmp_path / "fault.log").read_text().startswith("corrupt@serve_state")
+    poisoned_id = poisoned.records("start")[0]["peer_id"]
+    assert poisoned_id in sync["dropped"] and poisoned_id not in sync["donors"]
+    # it takes part from the next round boundary, bit-identical with the group
+    first = joiner.records()[0]
+    assert first["round"] == sync["round"] and not first["void"] and first["group_size"] == 4
+    assert first["state_hash"] == _hash_after(owner, first["round"])
+
+
+@pytest.mark.parametrize("point", ["after_matchmaking", "after_parts", "before_results"])
+def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: str) -> None:
+    common = [*FAST, "--max-rounds", "4", "--quiet"]
+    owner = swarm("p0", "--new-run", "kills", "--target-group-size", "4", "--matchmaking-timeout", "6", *common)
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
+    victim = swarm("victim", *join, "--fault", f"kill@{point}:1", "--fault-log", str(tmp_path / "fault.log"))
+    others = [owner, swarm("p1", *join), swarm("p2", *join)]
+    for p in others:
+        assert p.wait(240) == 0, p.log.read_text()[-3000:]
+    victim.wait(10)
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "fault.log").read_text().startswith(f"kill@{point}:1")
+
+    round1 = [next(r for r in p.records() if r["round"] == 1) for p in others]
+    applied = [r for r in round1 if not r["void"]]
+    # every survivor either applied the same complete average or voided: never a mix of partials
+    assert len({r["state_hash"] for r in applied}) <= 1
+    assert all(r["void"] for r in round1) or len(applied) == 3, round1
+    # the next round completes with the three survivors, bit-identical
+    round2 = [next(r for r in p.records() if r["round"] == 2) for p in others]
+    assert all(not r["void"] and r["group_size"] == 3 for r in round2), round2
+    assert len({r["state_hash"] for r in round2}) == 1
+
+
+def test_sigstop_past_deadline_then_resync(swarm, tmp_path: Path) -> None:
+    common = [*FAST, "--max-rounds", "5", "--quiet"]
+    owner = swarm("p0", "--new-run", "stalls", "--target-group-size", "3", "--matchmaking-timeout", "6", *common)
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
+    stalled = swarm("stalled", *join, "--fault", "stop@after_parts:1", "--fault-log", str(tmp_path / "fault.log"))
+    p1 = swarm("p1", *join)
+    # the others void round 1 at the deadline and go on without it: wait until they finished round 2
+    _wait_rounds([owner, p1], 3, 180)
+    assert (tmp_path / "fault.log").read_text().startswith("stop@after_parts:1")
+    os.killpg(stalled.proc.pid, signal.SIGCONT)
+    for p in (owner, p1, stalled):
+        assert p.wait(240) == 0, p.log.read_text()[-3000:]
+    assert [r["void"] for r in owner.records()][1] is True
+    syncs = stalled.records("sync")
+    assert syncs, "the stalled peer did not notice it was behind"
+    assert syncs[-1]["state_hash"] == _hash_after(owner, syncs[-1]["round"] - 1)
+    assert stalled.records()[-1]["state_hash"] == owner.records()[-1]["state_hash"] == p1.records()[-1]["state_hash"]
+
+
+def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) -> None:
+    common = [*FAST, "--max-rounds", "6", "--quiet"]
+    owner = swarm("p0", "--new-run", "restarts", "--target-group-size", "3", "--matchmaking-timeout", "6", *common)
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
+    p1 = swarm("p1", *join)
+    crashy = swarm("crashy", *join, "--fault", "kill@after_round:1", "--fault-log", str(tmp_path / "fault.log"))
+    crashy.wait(180)
+    assert crashy.proc.returncode == -signal.SIGKILL
+    checkpoint = tmp_path / "crashy-state" / "checkpoints" / f"{info['run_key']}.ckpt"
+    assert checkpoint.exists()
+    crashy.info.unlink()
+    again = swarm("crashy", *[a for a in join if a != "--quiet"])  # same name: same state folder and metrics
+    for p in (owner, p1, again):
+        assert p.wait(240) == 0, p.log.read_text()[-3000:]
+    log = again.log.read_text()
+    assert "resumed from checkpoint: round 2" in log
+    finals = {p.name: p.records()[-1] for p in (owner, p1, again)}
+    assert len({r["round"] for r in finals.values()}) == 1
+    assert len({r["state_hash"] for r in finals.values()}) == 1, finals
