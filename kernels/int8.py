@@ -80,11 +80,8 @@ def _row_blocks(numel: int, chunk_size: int) -> Iterator[tuple[int, int, int]]:
         yield n_full, 1, numel - n_full * chunk_size
 
 
-def encode(x: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> bytes:
-    """Encode a 1-D float32 CPU tensor to ``encoded_nbytes(x.numel(), chunk_size)`` bytes.
-
-    Raises ValueError if ``x`` is not 1-D float32 on CPU, or holds NaN, Inf or |x| > MAX_ABS_VALUE.
-    """
+def encode_reference(x: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> bytes:
+    """Pure-torch reference of :func:`encode`: its bytes are the specification of the wire format."""
     x = _check_input(x)
     numel, n = x.numel(), num_chunks(x.numel(), chunk_size)
     buf = torch.empty(encoded_nbytes(numel, chunk_size), dtype=torch.uint8)
@@ -174,15 +171,44 @@ def _dequantize(
             out[s : s + r * w].add_(dst)  # separate mul and add: no FMA, same result on every CPU
 
 
+def decode_reference(payload: Payload, numel: int, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """Pure-torch reference of :func:`decode` (same contract, bitwise the same values)."""
+    out = torch.empty(numel, dtype=torch.float32)  # (numel,) float32
+    _dequantize(payload, numel, chunk_size, out, accumulate=False, weight=1.0)
+    return out
+
+
+def decode_accumulate_reference(
+    payload: Payload, numel: int, acc: torch.Tensor, weight: float = 1.0, chunk_size: int = CHUNK_SIZE
+) -> None:
+    """Pure-torch reference of :func:`decode_accumulate` (same contract, bitwise the same values)."""
+    _check_acc(acc, numel, float(weight))
+    _dequantize(payload, numel, chunk_size, acc, accumulate=True, weight=float(weight))
+
+
+# Public entry points: the fast kernel when ACTIVE_PATH says so (see the end of this module), else the
+# reference above. Both give the same bytes and the same float32 values.
+
+
+def encode(x: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> bytes:
+    """Encode a 1-D float32 CPU tensor to ``encoded_nbytes(x.numel(), chunk_size)`` bytes.
+
+    Raises ValueError if ``x`` is not 1-D float32 on CPU, or holds NaN, Inf or |x| > MAX_ABS_VALUE.
+    """
+    if ACTIVE_PATH == _fast_cpu.NAME:
+        return _fast_cpu.encode(x, chunk_size)
+    return encode_reference(x, chunk_size)
+
+
 def decode(payload: Payload, numel: int, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """Decode an int8 payload of ``numel`` elements into a new float32 tensor (numel,).
 
     Raises CodecError on a wrong length or bad scales/offsets (see MAX_* bounds). Within those bounds
     every decoded value is finite. The result never aliases ``payload``.
     """
-    out = torch.empty(numel, dtype=torch.float32)  # (numel,) float32
-    _dequantize(payload, numel, chunk_size, out, accumulate=False, weight=1.0)
-    return out
+    if ACTIVE_PATH == _fast_cpu.NAME:
+        return _fast_cpu.decode(payload, numel, chunk_size)
+    return decode_reference(payload, numel, chunk_size)
 
 
 def decode_accumulate(
@@ -192,8 +218,10 @@ def decode_accumulate(
 
     The payload is validated completely before ``acc`` is touched: on CodecError ``acc`` is unchanged.
     """
-    _check_acc(acc, numel, float(weight))
-    _dequantize(payload, numel, chunk_size, acc, accumulate=True, weight=float(weight))
+    if ACTIVE_PATH == _fast_cpu.NAME:
+        _fast_cpu.decode_accumulate(payload, numel, acc, weight, chunk_size)
+    else:
+        decode_accumulate_reference(payload, numel, acc, weight, chunk_size)
 
 
 def quantize_roundtrip(x: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
@@ -269,3 +297,12 @@ def get_codec(name: str, chunk_size: int = CHUNK_SIZE) -> Codec:
         raise CodecError(f"unknown codec {name!r}; expected 'int8' or 'fp32'")
     _check_chunk_size(chunk_size)
     return Codec(name, chunk_size)
+
+
+# Imported last: fast_cpu uses the helpers above (its self-test compares against the references).
+from . import fast_cpu as _fast_cpu  # noqa: E402
+
+ACTIVE_PATH: str = _fast_cpu.NAME if _fast_cpu.load() else "reference"
+"""Which implementation ``encode``/``decode``/``decode_accumulate`` use: ``"c"`` (the compiled kernel of
+:mod:`hivetrain.kernels.fast_cpu`) or ``"reference"`` (pure torch; a warning was logged saying why,
+and ``fast_cpu.UNAVAILABLE_REASON`` holds it). Both produce the same bytes and values."""

@@ -29,6 +29,7 @@ class View:
     members: set[str] = field(default_factory=set)
     excluded: set[str] = field(default_factory=set)
     decided: tuple[str, ...] | None = None
+    abandoned: bool = False  # the round failed for us: we answer "decided without you" from now on
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:

@@ -79,11 +79,15 @@ class P2PAverager:
         t0 = time.monotonic()
         self._enter_round(round_)
         view = self._view(round_, base)
-        await self._announce_ready(round_, base)
-        order = await self._matchmake(view)
-        t1 = time.monotonic()
-        self.faults.fire("after_matchmaking", round_)
-        averaged = await self._allreduce(round_, base, order, delta)
+        try:
+            await self._announce_ready(round_, base)
+            order = await self._matchmake(view)
+            t1 = time.monotonic()
+            self.faults.fire("after_matchmaking", round_)
+            averaged = await self._allreduce(round_, base, order, delta)
+        except BaseException:
+            view.abandoned = True  # tell peers that still ask: we are out of this round
+            raise
         sent, received = self._bytes[round_]
         return AverageResult(averaged, order, sent, received,
                              {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1})
@@ -112,8 +116,11 @@ class P2PAverager:
                                                spec_hash=self.spec_hash))
         expiration = time.time() + self.spec.matchmaking_timeout + self.spec.allreduce_timeout
         envelope = Envelope.sign(self.identity, "ready", ready_key(self.run_key, round_), payload, expiration)
-        if not await asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout):
-            raise RoundFailed("could not publish the ready record to the DHT")
+        for _ in range(3):
+            if await asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout):
+                return
+        # not fatal: the peers we find still learn of us when we ask them for their view
+        logger.warning("round %d: could not publish our ready record to the DHT", round_)
 
     async def _ready_peers(self, view: View) -> set[str]:
         found = set()
@@ -161,8 +168,8 @@ class P2PAverager:
                               excluded=sorted(view.excluded))
         try:
             reply, _ = await self._request(peer, header, b"", view.round)
-        except (TimeoutError, RoundFailed, ProtocolError, OSError, asyncio.IncompleteReadError) as e:
-            logger.debug("view request to %s failed: %s", peer, e)
+        except Exception as e:  # unreachable, refused, timed out, malformed, p2pd dial error: not in our group
+            logger.debug("view request to %s failed: %r", peer, e)
             return None
         if reply["type"] != "view_reply" or reply["base"] != view.base:
             return None
@@ -172,9 +179,9 @@ class P2PAverager:
         round_, base = header["round"], header["base"]
         view = self._views.get(round_)
         fields: dict[str, Any] = dict(members=[], excluded=[], decided=False)
-        if view is None:
-            if round_ < self.current_round:
-                fields["decided"] = True  # done with that round, without the sender
+        if view is None or view.abandoned:
+            if view is not None or round_ < self.current_round:
+                fields["decided"] = True  # done with (or out of) that round, without the sender
         elif view.decided is not None:
             fields.update(members=list(view.decided), decided=True)
         elif view.base == base:
@@ -186,6 +193,16 @@ class P2PAverager:
 
     async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
         deadline = time.monotonic() + self.spec.allreduce_timeout
+        try:
+            return await self._reduce_scatter_gather(round_, base, order, delta, deadline)
+        except RoundFailed:
+            # The others of the group void this round at the deadline at the latest; leaving earlier
+            # would put us alone into the next round's matchmaking. Void together, start together.
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            raise
+
+    async def _reduce_scatter_gather(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor,
+                                     deadline: float) -> torch.Tensor:
         gh = group_hash(order, round_, base)
         bounds = shard_bounds(self.numel, len(order))
         mine = order.index(self.me)

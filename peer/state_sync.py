@@ -51,7 +51,8 @@ def choose(heartbeats: Iterable[dict[str, Any]], me: str, my_round: int, my_hash
            quorum: int) -> Attested | None:
     """The state this peer should move to, or None if its own state stands. Pure.
 
-    k = ``quorum`` independent attesters, or 1 when only one other peer is alive."""
+    k = ``quorum`` independent attesters, or 1 when only one other peer is alive, or when no state
+    (ours included) has k attesters: then a split run still converges on one state."""
     latest: dict[str, dict[str, Any]] = {}
     for hb in heartbeats:
         if hb["peer_id"] != me and hb["round"] >= latest.get(hb["peer_id"], {"round": -1})["round"]:
@@ -59,6 +60,8 @@ def choose(heartbeats: Iterable[dict[str, Any]], me: str, my_round: int, my_hash
     k = 1 if len(latest) <= 1 else quorum
     counts = Counter((hb["round"], hb["state_hash"]) for hb in latest.values())
     mine = counts[(my_round, my_hash)] + 1
+    if mine < k and all(c < k for c in counts.values()):
+        k = 1  # the run is fragmented (no state has k attesters): converge on the fixed rule anyway
     candidates = [(r, c, h) for (r, h), c in counts.items() if c >= k and h != my_hash]
     if not candidates:
         return None

@@ -1,0 +1,1 @@
+"""Benchmarks of hivetrain kernels; run from the repository root, e.g. ``python -m bench.codec``."""
