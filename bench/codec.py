@@ -94,46 +94,12 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float) -> dict[st
     from hivetrain.kernels import fast_cpu
     from hivetrain.kernels import int8 as codec
 
-    fast = codec.ACTIVE_PATH == fast_cpu.NAME
     results: list[dict[str, Any]] = []
     limits: dict[str, dict[str, float]] = {}
     noisy: list[str] = []
     for numel in sizes:
-        g = torch.Generator().manual_seed(numel)
-        xs = [torch.randn(numel, generator=g) * (1 + 0.25 * i) for i in range(4)]  # (numel,) float32 each
-        x = xs[0]
-        nbytes = codec.encoded_nbytes(numel)
-        outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(5)]  # preallocated, pre-faulted
-        acc = torch.zeros(numel)
-
-        def encode(src: torch.Tensor, out: torch.Tensor) -> None:
-            if fast:
-                fast_cpu.encode_into(src, out)
-            else:
-                out.copy_(torch.frombuffer(bytearray(codec.encode(src)), dtype=torch.uint8))
-
-        payload = codec.encode(x)  # bytes, as received from the network
-
-        def reduce4() -> None:
-            for src, out in zip(xs, outs[:4], strict=True):
-                encode(src, out)
-            acc.zero_()
-            for out in outs[:4]:
-                codec.decode_accumulate(out.numpy(), numel, acc, 0.25)
-            encode(acc, outs[4])
-
-        ops: dict[str, Callable[[], object]] = {
-            "read": lambda: x.sum(),
-            "encode": lambda: encode(x, outs[0]),
-            "decode_accumulate": lambda: codec.decode_accumulate(payload, numel, acc),
-            "reduce4": reduce4,
-            "encode_bytes": lambda: codec.encode(x),
-        }
-        secs: dict[str, float] = {}
-        for name, fn in ops.items():
-            secs[name], bad = _time(fn, reps, window)
-            if bad:
-                noisy.append(f"{name}@{numel}")
+        secs, bad = _measure_size(numel, reps, window)
+        noisy += [f"{name}@{numel}" for name in bad]
         read = numel * 4 / secs["read"] / 1e9
         limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()}}
         for op in ("encode", "decode_accumulate", "reduce4", "encode_bytes"):
@@ -141,9 +107,55 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float) -> dict[st
             results.append({"op": op, "threads": threads, "numel": numel, "gbps": gbps,
                             "ratio_to_memory_limit": gbps / limits[str(numel)][op], "ratio_to_read": gbps / read,
                             "ms": secs[op] * 1e3})
-        del xs, x, outs, acc, payload
     return {"threads": threads, "results": results, "limits": limits, "noisy": noisy,
             "active_path": codec.ACTIVE_PATH, "build": fast_cpu.BUILD_INFO or fast_cpu.UNAVAILABLE_REASON}
+
+
+def _measure_size(numel: int, reps: int, window: float) -> tuple[dict[str, float], list[str]]:
+    """Seconds per call of each op on ``numel`` elements, and the ops whose samples stayed noisy."""
+    import torch
+
+    from hivetrain.kernels import fast_cpu
+    from hivetrain.kernels import int8 as codec
+
+    fast = codec.ACTIVE_PATH == fast_cpu.NAME
+    g = torch.Generator().manual_seed(numel)
+    xs = [torch.randn(numel, generator=g) * (1 + 0.25 * i) for i in range(4)]  # (numel,) float32 each
+    x = xs[0]
+    nbytes = codec.encoded_nbytes(numel)
+    outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(5)]  # preallocated, pre-faulted
+    acc = torch.zeros(numel)
+
+    def encode(src: torch.Tensor, out: torch.Tensor) -> None:
+        if fast:
+            fast_cpu.encode_into(src, out)
+        else:
+            out.copy_(torch.frombuffer(bytearray(codec.encode(src)), dtype=torch.uint8))
+
+    payload = codec.encode(x)  # bytes, as received from the network
+
+    def reduce4() -> None:
+        for src, out in zip(xs, outs[:4], strict=True):
+            encode(src, out)
+        acc.zero_()
+        for out in outs[:4]:
+            codec.decode_accumulate(out.numpy(), numel, acc, 0.25)
+        encode(acc, outs[4])
+
+    ops: dict[str, Callable[[], object]] = {
+        "read": lambda: x.sum(),
+        "encode": lambda: encode(x, outs[0]),
+        "decode_accumulate": lambda: codec.decode_accumulate(payload, numel, acc),
+        "reduce4": reduce4,
+        "encode_bytes": lambda: codec.encode(x),
+    }
+    secs: dict[str, float] = {}
+    noisy = []
+    for name, fn in ops.items():
+        secs[name], bad = _time(fn, reps, window)
+        if bad:
+            noisy.append(name)
+    return secs, noisy
 
 
 def _errors(numel: int) -> dict[str, float]:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from multiaddr import Multiaddr
 
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
+from .process import children_die_with_us, remove_stale_sockets
 from .records import Envelope
 from .validator import EnvelopeValidator
 
@@ -95,15 +96,17 @@ class DHT:
         from hivemind.p2p import P2P
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+        remove_stale_sockets()
         try:
-            self.p2p = await P2P.create(
-                initial_peers=self._initial or None,
-                host_maddrs=self._host,
-                announce_maddrs=self._announce or None,
-                identity_path=self.options.p2p_identity_path,
-                nat_port_map=False,  # no UPnP by default: do not open ports on the user's router
-                startup_timeout=self.options.timeout,
-            )
+            with children_die_with_us():
+                self.p2p = await P2P.create(
+                    initial_peers=self._initial or None,
+                    host_maddrs=self._host,
+                    announce_maddrs=self._announce or None,
+                    identity_path=self.options.p2p_identity_path,
+                    nat_port_map=False,  # no UPnP by default: do not open ports on the user's router
+                    startup_timeout=self.options.timeout,
+                )
         except P2PDaemonError as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if self._initial:

@@ -15,6 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+
 from hivetrain.kernels import fast_cpu
 from hivetrain.kernels import int8 as codec
 from hivetrain.kernels.errors import CodecError
