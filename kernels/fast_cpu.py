@@ -398,9 +398,7 @@ def _require() -> ctypes.CDLL:
 def _get_pool(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+        if _pool is None or _pool_size < workers:  # the old pool may still be in use: left to the GC
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hivetrain-int8")
             _pool_size = workers
         return _pool

@@ -16,12 +16,12 @@ import pytest
 
 
 class PeerProc:
-    def __init__(self, name: str, workdir: Path, args: list[str]):
+    def __init__(self, name: str, workdir: Path, args: list[str], prefix: list[str] | None = None):
         self.name, self.workdir = name, workdir
         self.metrics = workdir / f"{name}.jsonl"
         self.info = workdir / f"{name}.json"
         self.log = workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "hivetrain.peer.cli", "start", "--threads", "1",
+        cmd = [*(prefix or []), sys.executable, "-m", "hivetrain.peer.cli", "start", "--threads", "1",
                "--metrics-file", str(self.metrics), "--info-file", str(self.info),
                "--state-dir", str(workdir / f"{name}-state"), *args]
         with open(self.log, "wb") as log:
@@ -61,8 +61,8 @@ class PeerProc:
 def swarm(tmp_path: Path) -> Iterator[Any]:
     procs: list[PeerProc] = []
 
-    def spawn(name: str, *args: str) -> PeerProc:
-        proc = PeerProc(name, tmp_path, list(args))
+    def spawn(name: str, *args: str, prefix: list[str] | None = None) -> PeerProc:
+        proc = PeerProc(name, tmp_path, list(args), prefix)
         procs.append(proc)
         return proc
 

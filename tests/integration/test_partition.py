@@ -1,0 +1,64 @@
+"""A network partition between namespaces: both sides keep going; after healing, one state wins."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .netns import Net
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    reason = Net.available()
+    if reason:
+        pytest.skip(reason)
+    network = Net(4).up()
+    try:
+        yield network
+    finally:
+        network.down()
+
+
+def _wait(cond: Any, peers: list[Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for p in peers:
+            assert p.proc.poll() is None, f"{p.name} exited:\n{p.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(
+            p.log.read_text()[-1500:] for p in peers)
+        try:
+            peers[0].proc.wait(0.2)
+        except Exception:
+            pass
+
+
+@pytest.mark.slow
+def test_partition_then_heal_converges_to_one_state(swarm, net: Net) -> None:
+    common = ["--sync-every", "4", "--allreduce-timeout", "8", "--max-rounds", "14", "--dht-timeout", "8"]
+    owner = swarm("p0", "--new-run", "split", "--target-group-size", "4", "--matchmaking-timeout", "5",
+                  "--host-maddrs", f"/ip4/{net.addrs[0]}/tcp/0", *common, prefix=net.exec_prefix(0))
+    info = owner.wait_info()
+    peers = [owner] + [
+        swarm(f"p{i}", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
+              "--host-maddrs", f"/ip4/{net.addrs[i]}/tcp/0", *common, prefix=net.exec_prefix(i))
+        for i in range(1, 4)
+    ]
+    _wait(lambda: all(len(p.records()) >= 2 for p in peers), peers, 180, "2 rounds together")
+    net.partition([0, 1], [2, 3])
+    cut_at = max(len(p.records()) for p in peers)
+    # each side keeps training (or voids safely) on its own
+    _wait(lambda: all(len(p.records()) >= cut_at + 3 for p in peers), peers, 240, "3 rounds apart")
+    during = [p.records()[cut_at + 1] for p in peers]
+    assert all(r["void"] or r["group_size"] <= 2 for r in during), during
+    net.heal()
+    for p in peers:
+        assert p.wait(400) == 0, p.log.read_text()[-3000:]
+    finals = [p.records()[-1] for p in peers]
+    assert len({r["round"] for r in finals}) == 1
+    assert len({r["state_hash"] for r in finals}) == 1, [r["state_hash"][:8] for r in finals]
+    assert not any(r["void"] for r in finals) and finals[0]["group_size"] == 4
+    assert any(p.records("sync") for p in peers), "no side re-synced after the heal"
