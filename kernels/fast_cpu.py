@@ -236,12 +236,37 @@ BUILD_INFO: str = ""  # e.g. "gcc -march=native, avx512, /root/.cache/hivetrain/
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
+_HUGE_PAGE = 1 << 21
+try:  # Linux: madvise(MADV_HUGEPAGE) on fresh output buffers, see _advise_huge_pages
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _madvise = None
+if _madvise is not None:
+    _madvise.restype = ctypes.c_int
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
 _PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
 _PyBytes_FromStringAndSize.restype = ctypes.py_object
 _PyBytes_FromStringAndSize.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 _PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
 _PyBytes_AsString.restype = ctypes.c_void_p
 _PyBytes_AsString.argtypes = (ctypes.py_object,)
+
+
+def _advise_huge_pages(addr: int, nbytes: int) -> None:
+    """Ask Linux to back the 2 MB-aligned inside of a fresh buffer with transparent huge pages.
+
+    A new 100 MB output costs ~25,000 4 KB page faults on first touch, which made ``encode`` (new
+    bytes) and ``decode`` (new tensor) 3-10x slower than the kernels writing into reused buffers.
+    With THP in ``madvise`` mode (a common default) this takes ~50 faults. Advice only: the contents
+    do not change, errors are ignored, and other systems skip it.
+    """
+    if _madvise is None or nbytes < 4 * _HUGE_PAGE:
+        return
+    lo = (addr + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    hi = (addr + nbytes) & ~(_HUGE_PAGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, 14)  # MADV_HUGEPAGE
 
 
 def _cache_dir() -> Path:
@@ -478,6 +503,7 @@ def encode(x: torch.Tensor, chunk_size: int = 65536) -> bytes:
     out = _PyBytes_FromStringAndSize(None, nbytes)  # uninitialised, not yet shared: filled below
     addr = _PyBytes_AsString(out)
     assert addr is not None
+    _advise_huge_pages(addr, nbytes)
     _encode_at(x, addr, chunk_size)
     return out  # type: ignore[no-any-return]
 
@@ -555,6 +581,7 @@ def _dequant(payload: object, numel: int, chunk_size: int, out: torch.Tensor, ac
 def decode(payload: object, numel: int, chunk_size: int = 65536) -> torch.Tensor:
     """Same contract and values as ``int8.decode_reference`` (new float32 tensor, never aliases payload)."""
     out = torch.empty(numel, dtype=torch.float32)  # (numel,) float32
+    _advise_huge_pages(out.data_ptr(), 4 * numel)
     _dequant(payload, numel, chunk_size, out, accumulate=False, weight=1.0)
     return out
 

@@ -127,7 +127,7 @@ class P2PAverager:
         logger.warning("round %d: could not publish our ready record to the DHT", round_)
 
     async def _ready_peers(self, view: View) -> set[str]:
-        found = set()
+        found: set[str] = set()
         try:
             envelopes = await asyncio.wait_for(self.dht.aget(ready_key(self.run_key, view.round)), 5.0)
         except TimeoutError:
