@@ -6,7 +6,8 @@ Usage (from the repository root)::
 
 Each thread count runs in its own subprocess, which calls ``torch.set_num_threads(T)`` before anything
 is imported or compiled. Per size it measures (median of ``--reps`` timed samples, each sample a loop of
-calls lasting at least 50 ms; on Linux a sample is retaken while other processes use > 0.15 core):
+calls lasting at least 50 ms, alternating with a sample of ``x.sum()``; on Linux a pair of samples is
+retaken while other processes use > 0.15 core):
 
 * ``read``: ``x.sum()`` on float32, the memory read bandwidth R: the memory limit of this run (plus, for
   reference, torch's float32 -> int8 ``copy_``, a streaming op with the same traffic as encode);
@@ -21,7 +22,8 @@ peers' inputs). The memory limit of an op is R scaled by the DRAM bytes it must 
 (read-for-ownership of written lines included, as in shared/research/codec.md): encode and
 decode-accumulate read 4 + 1 B per element, so their limit is ``R * 4 / 5``; reduce4 reads
 4*5 + 4 (zero fill) + 4*5 + 5 = 49 B per element for 16 B of input, so its limit is ``R * 16 / 49``.
-``ratio_to_memory_limit`` = GB/s / that limit. ``--json`` prints one JSON object on the last line.
+``ratio_to_memory_limit`` = GB/s / that limit, as the median over the pairs of samples (so a change of
+background load between samples of an op and of ``x.sum()`` cannot distort it much). ``--json`` prints one JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -61,34 +63,50 @@ def _busy_seconds() -> float | None:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
-def _time(fn: Callable[[], object], reps: int, window: float) -> tuple[float, bool]:
-    """Median seconds per call over ``reps`` guarded samples; also whether the guard had to give up."""
+def _sample(fn: Callable[[], object], k: int) -> tuple[float, float]:
+    """(seconds per call over ``k`` calls, cores used by other processes meanwhile; 0 if unknown)."""
+    b0, p0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
+    for _ in range(k):
+        fn()
+    t1 = time.perf_counter()
+    b1, p1 = _busy_seconds(), time.process_time()
+    other = 0.0 if b0 is None or b1 is None else ((b1 - b0) - (p1 - p0)) / (t1 - t0)
+    return (t1 - t0) / k, other
+
+
+def _calls_per_sample(fn: Callable[[], object], window: float) -> int:
     fn()  # warm-up
     t0 = time.perf_counter()
     fn()
-    k = max(1, int(window / max(time.perf_counter() - t0, 1e-7)))
-    good: list[float] = []
-    loaded: list[tuple[float, float]] = []  # (other cores, seconds) of rejected samples
-    for _ in range(reps * 6):
-        b0, p0, t0 = _busy_seconds(), time.process_time(), time.perf_counter()
-        for _ in range(k):
-            fn()
-        t1 = time.perf_counter()
-        b1, p1 = _busy_seconds(), time.process_time()
-        per_call = (t1 - t0) / k
-        other = 0.0 if b0 is None or b1 is None else ((b1 - b0) - (p1 - p0)) / (t1 - t0)
-        if other <= MAX_OTHER_CORES:
-            good.append(per_call)
+    return max(1, int(window / max(time.perf_counter() - t0, 1e-7)))
+
+
+def _time_paired(fn: Callable[[], object], read: Callable[[], object], reps: int, window: float,
+                 tries: int) -> tuple[float, float, float, bool]:
+    """Alternate samples of ``fn`` and of the memory-read baseline ``read``; a pair counts when neither
+    sample saw other processes use more than MAX_OTHER_CORES. Returns the medians of fn's seconds per
+    call, of read's seconds per call and of t_read / t_fn over ``reps`` pairs, and whether the guard
+    gave up (then the least loaded pairs are used). Pairing makes the ratio robust to slow load drift."""
+    k_fn, k_read = _calls_per_sample(fn, window), _calls_per_sample(read, window)
+    good: list[tuple[float, float]] = []
+    loaded: list[tuple[float, float, float]] = []
+    for _ in range(tries):
+        t_read, o1 = _sample(read, k_read)
+        t_fn, o2 = _sample(fn, k_fn)
+        if max(o1, o2) <= MAX_OTHER_CORES:
+            good.append((t_fn, t_read))
             if len(good) == reps:
-                return statistics.median(good), False
+                break
         else:
-            loaded.append((other, per_call))
-            time.sleep(0.1)
-    good += [s for _, s in sorted(loaded)[: reps - len(good)]]  # least loaded of the rest
-    return statistics.median(good), True
+            loaded.append((max(o1, o2), t_fn, t_read))
+            time.sleep(0.05)
+    noisy = len(good) < reps
+    good += [(f, r) for _, f, r in sorted(loaded)[: reps - len(good)]]  # least loaded of the rest
+    return (statistics.median(f for f, _ in good), statistics.median(r for _, r in good),
+            statistics.median(r / f for f, r in good), noisy)
 
 
-def _worker(threads: int, sizes: list[int], reps: int, window: float) -> dict[str, Any]:
+def _worker(threads: int, sizes: list[int], reps: int, window: float, tries: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)  # before the kernels are imported (and built)
@@ -99,22 +117,27 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float) -> dict[st
     limits: dict[str, dict[str, float]] = {}
     noisy: list[str] = []
     for numel in sizes:
-        secs, bad = _measure_size(numel, reps, window)
+        timings, bad = _measure_size(numel, reps, window, tries)
         noisy += [f"{name}@{numel}" for name in bad]
-        read = numel * 4 / secs["read"] / 1e9
-        limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()},
-                              "torch_convert_f32_to_i8": numel * 4 / secs["convert_i8"] / 1e9}
-        for op in ("encode", "decode_accumulate", "reduce4", "encode_bytes"):
-            gbps = (4 if op == "reduce4" else 1) * numel * 4 / secs[op] / 1e9
+        read = numel * 4 / statistics.median(t_read for _, t_read, _ in timings.values()) / 1e9
+        limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()}}
+        for op, (t_op, _, read_over_op) in timings.items():
+            gbps = (4 if op == "reduce4" else 1) * numel * 4 / t_op / 1e9
+            if op == "convert_i8":
+                limits[str(numel)]["torch_convert_f32_to_i8"] = gbps
+                continue
+            # ratio from the paired samples: (op GB/s) / (read GB/s * factor), robust to load drift
+            ratio = (4 if op == "reduce4" else 1) * read_over_op / LIMIT_FACTOR[op]
             results.append({"op": op, "threads": threads, "numel": numel, "gbps": gbps,
-                            "ratio_to_memory_limit": gbps / limits[str(numel)][op], "ratio_to_read": gbps / read,
-                            "ms": secs[op] * 1e3})
+                            "ratio_to_memory_limit": ratio, "ratio_to_read": ratio * LIMIT_FACTOR[op],
+                            "ms": t_op * 1e3})
     return {"threads": threads, "results": results, "limits": limits, "noisy": noisy,
             "active_path": codec.ACTIVE_PATH, "build": fast_cpu.BUILD_INFO or fast_cpu.UNAVAILABLE_REASON}
 
 
-def _measure_size(numel: int, reps: int, window: float) -> tuple[dict[str, float], list[str]]:
-    """Seconds per call of each op on ``numel`` elements, and the ops whose samples stayed noisy."""
+def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+    """Per op on ``numel`` elements: (seconds per call, seconds per x.sum() in the paired samples,
+    median t_read / t_op), and the ops whose samples stayed noisy."""
     import torch
 
     from hivetrain.kernels import fast_cpu
@@ -146,20 +169,20 @@ def _measure_size(numel: int, reps: int, window: float) -> tuple[dict[str, float
 
     i8 = torch.zeros(numel, dtype=torch.int8)
     ops: dict[str, Callable[[], object]] = {
-        "read": lambda: x.sum(),
         "convert_i8": lambda: i8.copy_(x),  # torch's f32 -> int8 streaming convert: same traffic as encode
         "encode": lambda: encode(x, outs[0]),
         "decode_accumulate": lambda: codec.decode_accumulate(payload, numel, acc),
         "reduce4": reduce4,
         "encode_bytes": lambda: codec.encode(x),
     }
-    secs: dict[str, float] = {}
+    timings: dict[str, tuple[float, float, float]] = {}
     noisy = []
     for name, fn in ops.items():
-        secs[name], bad = _time(fn, reps, window)
+        t_op, t_read, ratio, bad = _time_paired(fn, lambda: x.sum(), reps, window, tries)
+        timings[name] = (t_op, t_read, ratio)
         if bad:
             noisy.append(name)
-    return secs, noisy
+    return timings, noisy
 
 
 def _errors(numel: int) -> dict[str, float]:
@@ -201,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = _parse_sizes(args.sizes or ("1M,10M" if args.quick else "10M,100M"))
     reps = args.reps or (3 if args.quick else 7)
-    window = 0.05
+    window = 0.03 if args.quick else 0.05
     if args.worker is not None:
-        print(json.dumps(_worker(args.worker, sizes, reps, window)))
+        print(json.dumps(_worker(args.worker, sizes, reps, window, tries=reps * (2 if args.quick else 4))))
         return 0
 
     root = Path(__file__).resolve().parent.parent

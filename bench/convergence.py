@@ -358,7 +358,10 @@ def markdown(cfg: BenchConfig, results: Sequence[dict[str, Any]], seconds: float
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(f"the plot needs matplotlib (pip install matplotlib); the tables are in {path.parent}") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -370,19 +373,21 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
         tokens = [p[0] / 1e6 for p in r["curve"]]
         mean = [p[1] for p in r["curve"]]
         std = [p[2] for p in r["curve"]]
+        color: Any
         if r["H"] is None:
             color, style = "black", "-"
         else:
             color, style = colors(0.85 * hs.index(r["H"]) / max(len(hs) - 1, 1)), "-" if r["codec"] == "fp32" else "--"
-        for ax, start in zip(axes, (0, len(tokens) // 2), strict=True):
-            ax.plot(tokens[start:], mean[start:], style, color=color, label=r["variant"], linewidth=1.4,
-                    marker="." if len(tokens) < 40 else None)
-            ax.fill_between(tokens[start:], [m - s for m, s in zip(mean[start:], std[start:], strict=True)],
-                            [m + s for m, s in zip(mean[start:], std[start:], strict=True)], color=color, alpha=0.15)
+        half = next(i for i, t in enumerate(tokens) if t >= tokens[-1] / 2)  # zoom: the second half of the tokens
+        for ax, start in zip(axes, (0, half), strict=True):
+            t, m, s = tokens[start:], mean[start:], std[start:]
+            ax.plot(t, m, style, color=color, label=r["variant"], linewidth=1.4, marker="." if len(tokens) < 40 else None)
+            ax.fill_between(t, [a - b for a, b in zip(m, s, strict=True)], [a + b for a, b in zip(m, s, strict=True)],
+                            color=color, alpha=0.15)
     for ax, what in zip(axes, ("all tokens", "second half (zoom)"), strict=True):
         ax.set_xlabel("tokens seen by all workers (millions)")
         ax.set_ylabel("held-out loss (nats per byte)")
-        ax.set_title(what)
+        ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
@@ -404,8 +409,20 @@ def write_outputs(cfg: BenchConfig, results: list[dict[str, Any]], out: Path, se
 
 # ---- command line ---------------------------------------------------------------------------------------
 
-FULL = {"workers": 4, "seeds": 3, "hs": "10,25,50", "rounds_at_lcm": 8, "eval_batches": 8}
-QUICK = {"workers": 2, "seeds": 2, "hs": "5,10", "rounds_at_lcm": 4, "eval_batches": 2, "batch_size": 4}
+@dataclass(frozen=True)
+class Mode:
+    """Defaults of a mode; every one can be overridden on the command line."""
+
+    workers: int
+    seeds: int
+    hs: tuple[int, ...]
+    rounds_at_lcm: int  # default steps: this many rounds of lcm(H) inner steps
+    eval_batches: int
+    batch_size: int | None  # None: the preset's batch size / workers, so ddp's global batch is the preset's
+
+
+FULL = Mode(workers=4, seeds=3, hs=(10, 25, 50), rounds_at_lcm=8, eval_batches=8, batch_size=None)
+QUICK = Mode(workers=2, seeds=2, hs=(5, 10), rounds_at_lcm=4, eval_batches=2, batch_size=4)
 
 
 def _parse_hs(text: str) -> tuple[int, ...]:
@@ -420,22 +437,26 @@ def _parse_hs(text: str) -> tuple[int, ...]:
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
     mode = QUICK if args.quick else FULL
+    for name in ("workers", "seeds", "steps", "batch_size", "seq_len", "eval_batches", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.preset not in PRESETS:
         raise SystemExit(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     preset = PRESETS[args.preset]
-    workers = args.workers or int(mode["workers"])
-    hs = args.H or _parse_hs(str(mode["hs"]))
+    workers = args.workers or mode.workers
+    hs = args.H or mode.hs
     lcm = math.lcm(*hs)
-    steps = args.steps or int(mode["rounds_at_lcm"]) * lcm
-    batch = args.batch_size or int(mode.get("batch_size", max(1, preset.batch_size // workers)))
+    steps = args.steps or mode.rounds_at_lcm * lcm
+    batch = args.batch_size or mode.batch_size or max(1, preset.batch_size // workers)
     if workers < 2:
         raise SystemExit("--workers must be at least 2 (the ddp baseline of one worker sends nothing)")
     if steps % lcm:
         raise SystemExit(f"--steps {steps} must be a multiple of every H {list(hs)}, e.g. {steps // lcm * lcm + lcm}")
     return BenchConfig(
-        preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or int(mode["seeds"]))), hs=hs, steps=steps,
+        preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or mode.seeds)), hs=hs, steps=steps,
         batch_size=batch, seq_len=args.seq_len or preset.seq_len,
-        eval_batches=args.eval_batches or int(mode["eval_batches"]), eval_batch_size=preset.batch_size,
+        eval_batches=args.eval_batches or mode.eval_batches, eval_batch_size=preset.batch_size,
         threads=args.threads,
     )
 

@@ -25,6 +25,8 @@ from .records import Envelope
 from .validator import EnvelopeValidator
 
 T = TypeVar("T")
+REFRESH_PERIOD = 15.0  # seconds between attempts to re-contact peers that fell out of the routing table
+MAX_KNOWN = 256
 logger = logging.getLogger(__name__)
 
 
@@ -69,6 +71,8 @@ class DHT:
         self._node: Any = None
         self.p2p: Any = None
         self.peer_id: str = ""
+        self._known: dict[str, None] = {}  # peer ids seen in this run, oldest first (bounded)
+        self._refresher: asyncio.Task[None] | None = None
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -118,7 +122,7 @@ class DHT:
                 initial_peers=[str(m) for m in self._initial] or None,
                 record_validator=EnvelopeValidator(),
                 bootstrap_timeout=self.options.timeout,
-                wait_timeout=min(5.0, self.options.timeout),
+                wait_timeout=min(3.0, self.options.timeout),  # one RPC: an unreachable node costs this much
                 num_workers=4,
                 cache_locally=False,
             )
@@ -129,6 +133,36 @@ class DHT:
                 ) from None
             raise
         self.peer_id = self.p2p.peer_id.to_base58()
+        self.remember(m["p2p"] for m in self._initial)
+        self._refresher = asyncio.create_task(self._refresh_routing())
+
+    def remember_threadsafe(self, peer_ids: Any) -> None:
+        self.loop.call_soon_threadsafe(self.remember, list(peer_ids))
+
+    def remember(self, peer_ids: Any) -> None:
+        """Notes peers of this run (loop thread); ``_refresh_routing`` re-contacts those we lost."""
+        for peer_id in peer_ids:
+            if peer_id and peer_id != self.peer_id:
+                self._known.pop(peer_id, None)
+                self._known[peer_id] = None
+        while len(self._known) > MAX_KNOWN:
+            self._known.pop(next(iter(self._known)))
+
+    async def _refresh_routing(self) -> None:
+        """Every REFRESH_PERIOD seconds, pings known peers missing from the routing table.
+
+        After a partition heals, nobody would otherwise re-introduce the two sides' DHT nodes to
+        each other and the run would stay split. Pings are spaced out: libp2p backs off dialing a
+        peer quadratically in the number of failed attempts."""
+        from hivemind.p2p import PeerID
+
+        while True:
+            await asyncio.sleep(REFRESH_PERIOD)
+            table = self._node.protocol.routing_table
+            lost = [p for p in list(self._known)[-32:] if PeerID.from_base58(p) not in table]
+            if lost:
+                await asyncio.gather(*(self._node.protocol.call_ping(PeerID.from_base58(p)) for p in lost),
+                                     return_exceptions=True)
 
     def shutdown(self) -> None:
         """Stops the DHT node, p2pd and the loop thread; safe to call twice."""

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH")
     peer.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (default: never)")
     peer.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    peer.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
+                      help="before the first round, wait until N peers (this one included) are present")
+    peer.add_argument("--wait-timeout", type=float, default=120.0, help="seconds to wait for --wait-for-peers")
     peer.add_argument("--dht-timeout", type=float, default=15.0, help="seconds for bootstrap and DHT look-ups")
     peer.add_argument("--info-file", metavar="PATH", help=argparse.SUPPRESS)
     peer.add_argument("--fault", help=argparse.SUPPRESS)
@@ -125,7 +128,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
         identity_path=args.identity, data_path=args.data, device=args.device, threads=args.threads,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
-        dht_timeout=args.dht_timeout, fault=args.fault,
+        dht_timeout=args.dht_timeout, fault=args.fault, wait_for_peers=args.wait_for_peers,
     )
     faults = FaultPlan.parse(options.fault, args.fault_log)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -200,6 +203,13 @@ def cmd_start(args: argparse.Namespace) -> int:
             saved = None
         if saved is not None:
             trainer.resume(saved)
+        if options.wait_for_peers > 1:
+            heartbeat(round=trainer.outer.round, state_hash=trainer.outer.hash(), throughput=0.0,
+                      train_loss=None, eval_loss=None)
+            say(f"waiting for {options.wait_for_peers} peers (at most {args.wait_timeout:.0f} s)")
+            seen = keeper.wait_for_peers(options.wait_for_peers, args.wait_timeout)
+            if seen < options.wait_for_peers:
+                say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
         try:
             totals = trainer.run(options.max_rounds)
         finally:

@@ -205,12 +205,14 @@ class PeerOptions:
     max_rounds: int = 0  # 0: train until stopped
     eval_batches: int = 8
     dht_timeout: float = 15.0  # seconds for one DHT call / bootstrap
-    fault: str | None = None  # test hook: "<kind>@<round>", see peer/faults.py
+    fault: str | None = None  # test hook: "ACTION@POINT:ROUND", see peer/faults.py
+    wait_for_peers: int = 1  # peers (this one included) to wait for before the first round
 
     def __post_init__(self) -> None:
         _check_int("peer", "threads", self.threads, 0, 1024)
         _check_int("peer", "max_rounds", self.max_rounds, 0, 10_000_000)
         _check_int("peer", "eval_batches", self.eval_batches, 0, 10_000)
         _check_range("peer", "dht_timeout", self.dht_timeout, 0.1, 600.0)
+        _check_int("peer", "wait_for_peers", self.wait_for_peers, 1, 64)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -23,7 +23,7 @@ from .errors import ConfigError, PeerError
 def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, str] | None) -> list[str]:
     cmd = [sys.executable, "-m", "hivetrain.peer.cli", "start", "--quiet", "--threads", "1",
            "--max-rounds", str(args.rounds), "--metrics-file", os.path.join(workdir, f"peer{i}.jsonl"),
-           "--state-dir", os.path.join(workdir, f"state{i}")]
+           "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers)]
     if join is None:
         cmd += ["--new-run", "demo", "--preset", args.preset, "--target-group-size", str(args.peers),
                 "--info-file", os.path.join(workdir, "peer0.json")]

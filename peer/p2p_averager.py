@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange
 POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
 MAX_GROUPS_PER_ROUND = 4  # distinct group hashes a peer buffers messages for, per round
+SEND_ATTEMPTS = 3  # deliveries of one part or result, within the all-reduce deadline
+DUPLICATE = "duplicate"
 
 
 class P2PAverager:
@@ -139,6 +141,7 @@ class P2PAverager:
                 continue
             if (fields["round"], fields["base_hash"], fields["spec_hash"]) == (view.round, view.base, self.spec_hash):
                 found.add(fields["peer_id"])
+        self.dht.remember(found)
         return found
 
     async def _matchmake(self, view: View) -> tuple[str, ...]:
@@ -253,8 +256,16 @@ class P2PAverager:
         async def send(k: int) -> None:
             shard = k if kind == "part" else mine
             header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order))
-            ack, _ = await self._request(order[k], header, bodies[k], round_, deadline)
-            if not ack.get("ok", False):
+            for attempt in range(SEND_ATTEMPTS):
+                try:
+                    ack, _ = await self._request(order[k], header, bodies[k], round_, deadline)
+                except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
+                    if attempt + 1 == SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
+                        raise RoundFailed(f"could not deliver our {kind} to {order[k]}: {e!r}"[:300]) from None
+                    await asyncio.sleep(0.2 * (attempt + 1))
+                    continue
+                if ack.get("ok", False) or ack.get("reason") == DUPLICATE:  # a retry of a delivered message
+                    return
                 raise RoundFailed(f"{order[k]} refused our {kind}: {ack.get('reason', '')}")
 
         results = await asyncio.gather(*(send(k) for k in bodies), return_exceptions=True)
@@ -312,6 +323,10 @@ class P2PAverager:
         except (TimeoutError, asyncio.IncompleteReadError, OSError):
             writer.close()
             return
+        except Exception as e:  # a bug here must not silently drop the stream: answer, and say what it was
+            logger.exception("averaging handler failed on a message from %s", sender)
+            reply = self._header("ack", header["round"], header["base"], ok=False,
+                                 reason=f"internal error: {type(e).__name__}")
         await transport.reply(writer, reply)
 
     def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
@@ -327,7 +342,9 @@ class P2PAverager:
                                 f"{self.codec.encoded_nbytes(e - s)}")
         key = (round_, gh, kind, shard, sender)
         if key in self._inbox:
-            raise ProtocolError(f"duplicate {kind}")
+            if self._inbox[key] == body:
+                raise ProtocolError(DUPLICATE)  # the sender retried after losing our ack: already have it
+            raise ProtocolError(f"a different {kind} for the same shard")
         seen.add(gh)
         self._inbox[key] = body
         assert self._arrived is not None

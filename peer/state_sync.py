@@ -120,7 +120,9 @@ class StateSync:
     # ---- choosing and downloading (training thread) ---------------------------------------------
 
     def check(self, my_round: int, my_hash: str) -> Attested | None:
-        return choose(read_heartbeats(self.dht, self.run_key), self.dht.peer_id, my_round, my_hash, self.quorum)
+        heartbeats = read_heartbeats(self.dht, self.run_key)
+        self.dht.remember_threadsafe(hb["peer_id"] for hb in heartbeats)
+        return choose(heartbeats, self.dht.peer_id, my_round, my_hash, self.quorum)
 
     def download(self, target: Attested, timeout: float) -> Snapshot:
         """Downloads and verifies ``target`` from its attesters; raises StateSyncFailed."""
@@ -210,6 +212,21 @@ class StateKeeper:
         self.log(f"downloaded {info['bytes'] / 1e6:.1f} MB in {info['seconds']:.1f} s from "
                  f"{len(info['donors'])} donors" + (f", dropped {sorted(info['dropped'])}" if info["dropped"] else ""))
         return snapshot, info
+
+    def wait_for_peers(self, count: int, timeout: float) -> int:
+        """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``
+        seconds; returns how many were seen. For runs that should start together."""
+        deadline = time.monotonic() + timeout
+        seen = 1
+        while True:
+            try:
+                seen = 1 + len({hb["peer_id"] for hb in read_heartbeats(self.sync.dht, self.sync.run_key)}
+                               - {self.sync.dht.peer_id})
+            except PeerError:
+                pass
+            if seen >= count or time.monotonic() >= deadline:
+                return seen
+            time.sleep(0.5)  # the DHT has no watch; bounded by the deadline
 
     def committed(self, snapshot: Snapshot) -> None:
         self.sync.serve(snapshot)

@@ -17,10 +17,11 @@ import pytest
 def test_churn_soak(swarm) -> None:
     rounds = 12
     common = ["--sync-every", "4", "--allreduce-timeout", "8", "--max-rounds", str(rounds), "--quiet"]
-    owner = swarm("p0", "--new-run", "soak", "--target-group-size", "5", "--matchmaking-timeout", "5", *common)
+    owner = swarm("p0", "--new-run", "soak", "--target-group-size", "5", "--matchmaking-timeout", "5", *common,
+                  "--wait-for-peers", "5")
     info = owner.wait_info()
     join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
-    peers: list[Any] = [owner] + [swarm(f"p{i}", *join) for i in range(1, 5)]
+    peers: list[Any] = [owner] + [swarm(f"p{i}", *join, "--wait-for-peers", "5") for i in range(1, 5)]
     rng = random.Random(7)
     killed: list[Any] = []
     events = {2: "kill", 3: "add", 5: "kill", 6: "add", 8: "kill", 9: "add"}

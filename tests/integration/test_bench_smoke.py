@@ -1,0 +1,56 @@
+"""``python -m bench.convergence --quick`` at an even smaller size: it runs and writes well-formed outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VARIANTS = ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_fp32_H10", "diloco_int8_H10"]
+KEYS = {"variant", "H", "tokens", "final_eval_loss_mean", "final_eval_loss_std", "seeds", "bytes_per_worker",
+        "bytes_ratio_vs_ddp", "curve"}
+
+
+def test_convergence_quick_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="bench.convergence draws plot.png with matplotlib")
+    cmd = [sys.executable, "-m", "bench.convergence", "--quick", "--out", str(tmp_path), "--steps", "10",
+           "--seeds", "2", "--batch-size", "2", "--eval-batches", "1", "--threads", "1"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "[diloco_int8_H5 seed 1] round 2/2" in result.stderr  # progress on stderr
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["variant"] for r in results] == VARIANTS
+    for r in results:
+        assert KEYS <= set(r), f"{r['variant']} lacks {KEYS - set(r)}"
+        assert r["seeds"] == [0, 1] and len(r["final_eval_loss_per_seed"]) == 2
+        assert r["tokens"] == 10 * 2 * 2 * 128  # steps * workers * batch * seq_len, the same for every variant
+        for key in ("final_eval_loss_mean", "final_eval_loss_std", "bytes_per_worker", "bytes_ratio_vs_ddp"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] >= 0, (r["variant"], key, r[key])
+        assert 0 < r["final_eval_loss_mean"] < math.log(256) + 0.5
+        curve = r["curve"]
+        assert curve[0][0] == 0 and curve[-1][0] == r["tokens"]
+        assert all(len(p) == 3 and all(math.isfinite(v) for v in p) for p in curve)
+        assert [p[0] for p in curve] == sorted({p[0] for p in curve})
+        assert curve[-1][1] == pytest.approx(r["final_eval_loss_mean"])
+    ddp, fp32_h5, int8_h5, fp32_h10, int8_h10 = results
+    assert ddp["H"] is None and ddp["bytes_ratio_vs_ddp"] == 1.0
+    assert len(ddp["curve"]) == 3  # 0, 5 and 10 steps: the token counts of every DiLoCo round
+    assert (fp32_h5["H"], len(fp32_h5["curve"]), len(fp32_h10["curve"])) == (5, 3, 2)
+    assert fp32_h5["bytes_ratio_vs_ddp"] == pytest.approx(1 / 5)
+    assert fp32_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 10)
+    assert int8_h5["bytes_ratio_vs_ddp"] == pytest.approx(1 / 20, rel=0.01)
+    assert int8_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 40, rel=0.01)
+
+    png = (tmp_path / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) > 20_000
+
+    md = (tmp_path / "results.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    for name in VARIANTS:
+        assert sum(line.startswith(f"| {name} |") for line in rows) == 1, md
