@@ -17,7 +17,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -157,20 +157,28 @@ class StateSync:
                 bad[donor] = f"manifest: {type(e).__name__}: {e}"
         if piece_hashes is None:
             raise StateSyncFailed(f"no attester served a valid manifest for round {target.round}: {bad}")
-        todo = list(range(len(piece_hashes)))
+        todo = deque(range(len(piece_hashes)))
         pieces: dict[int, bytes] = {}
         served: Counter[str] = Counter()
 
+        transport_errors: Counter[str] = Counter()
+
         async def worker(donor: str) -> None:
             while todo and donor not in bad:
-                index = todo.pop(0)
+                index = todo.popleft()
                 try:
                     body = await self._fetch(donor, target, index, PIECE_SIZE)
-                    if hashlib.sha256(body).digest() != piece_hashes[index]:
-                        raise StateMismatch(f"piece {index} does not match its hash")
-                except Exception as e:
+                except Exception as e:  # stalled or lost stream: one more chance, then the donor is out
                     todo.append(index)
-                    bad[donor] = f"piece {index}: {type(e).__name__}: {e}"
+                    transport_errors[donor] += 1
+                    if transport_errors[donor] > 1:
+                        bad[donor] = f"piece {index}: {type(e).__name__}: {e}"
+                        logger.warning("dropping state donor %s: %s", donor, bad[donor])
+                        return
+                    continue
+                if hashlib.sha256(body).digest() != piece_hashes[index]:  # wrong bytes: out at once
+                    todo.append(index)
+                    bad[donor] = f"piece {index} does not match its hash"
                     logger.warning("dropping state donor %s: %s", donor, bad[donor])
                     return
                 pieces[index] = body
@@ -181,7 +189,7 @@ class StateSync:
             if not good:
                 raise StateSyncFailed(f"every donor of round {target.round} failed: {bad}")
             await asyncio.gather(*(worker(d) for d in good for _ in range(PER_DONOR)))
-        snapshot = assemble(target.round, self.numel, piece_hashes, pieces)
+        snapshot = assemble(target.round, self.numel, piece_hashes, pieces, verified=True)
         self.last_download = {"seconds": time.monotonic() - t0, "bytes": len(snapshot.data),
                               "donors": dict(served), "dropped": dict(bad)}
         return snapshot
