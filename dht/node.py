@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from multiaddr import Multiaddr
 
+from . import hardening
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .process import children_die_with_us, remove_stale_sockets
 from .records import Envelope
@@ -100,6 +101,7 @@ class DHT:
         from hivemind.p2p import P2P
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+        hardening.install()  # before any peer can send us bytes
         remove_stale_sockets()
         try:
             with children_die_with_us():

@@ -4,23 +4,31 @@ This module produces exactly the bytes of :func:`hivetrain.kernels.int8.encode_r
 the float32 values of ``decode_reference`` / ``decode_accumulate_reference`` (the wire format and the
 op order are specified in :mod:`hivetrain.kernels.int8`), several times faster.
 
-**Choice of tool (measured on the project machine, 2 cores, 100M elements, see ``python -m bench.codec``).**
+**Choice of tool** (measured on the project machine: 2 vCPUs of an AMD EPYC with AVX-512, shared with
+other jobs; 100M elements; ``python -m bench.codec`` reproduces the numbers):
 
-* *C compiled at first use with the system compiler, called through ctypes* (chosen). About 40
-  lines of plain C that gcc/clang auto-vectorise for the host (``-march=native``: AVX-512 or AVX2 on
-  x86, NEON on arm64), plus two x86 touches the compilers cannot infer: software prefetch of the next
-  chunk while the current one is quantized, and non-temporal stores of the codes for large tensors.
-  Encode runs at ~25 GB/s (1 thread) and dequantize-accumulate at ~27 GB/s, i.e. at or near the
-  machine's streaming limit (see the benchmark). ctypes releases the GIL, so ``T`` threads work on
-  ``T`` contiguous ranges of chunks (``T = torch.get_num_threads()``) with no OpenMP runtime to clash
-  with torch's. Needs only ``cc``/``gcc``/``clang`` at run time, the same requirement as
-  ``torch.compile``; no Python headers, no new pip dependency.
-* *numba* (pip wheels, no compiler): the same loops did not vectorise (numba's LLVM keeps the
-  integer min/max reductions and the ``rint`` + int8 narrowing scalar even with ``error_model="numpy"``):
-  2.5 GB/s encode, 8 GB/s dequantize-accumulate, 10x slower than C, a 50 MB dependency and 1-3 s of JIT
-  per process.
-* *torch.compile (inductor C++)*: needs the same C compiler, and research/codec.md measured it at
-  3-7 GB/s for the per-chunk encode and 2.6 GB/s for int8 dequantize (partial-load path for int8).
+* *C compiled at first use with the system compiler, called through ctypes* (chosen). About 60 lines
+  of plain C that gcc/clang auto-vectorise for the host (``-march=native``: AVX-512 or AVX2 on x86,
+  NEON on arm64, with a default-target retry), plus two x86 touches a compiler cannot infer: software
+  prefetch of the next chunk while the current one (resident in L2) is quantized, and non-temporal
+  stores of the codes for large tensors. With 1 thread, encode runs at ~25 GB/s and
+  dequantize-accumulate at ~26 GB/s while ``x.sum()`` reads at ~40 GB/s (reference: 2.9 and 5.1 GB/s);
+  dequantize-accumulate is as fast as a bare C ``acc[i] += q[i]`` loop, i.e. at the memory limit.
+  ctypes releases the GIL, so ``T = torch.get_num_threads()`` Python threads run ``T`` contiguous
+  ranges of chunks: no OpenMP runtime to clash with torch's. Needs ``cc``/``gcc``/``clang`` at run
+  time (as ``torch.compile`` does); no Python headers, no new pip dependency.
+* *numba* (pip wheels, no compiler): the same loops were not vectorised (the integer min/max
+  reductions and the ``rint`` + int8 narrowing stayed scalar, with ``error_model="numpy"`` and
+  ``fastmath=False``, which bit-exactness needs): 2.5 GB/s encode and 8 GB/s dequantize-accumulate,
+  10x slower than C, plus a 50 MB dependency and 1-3 s of JIT per process. No prefetch or
+  non-temporal stores either.
+* *torch.compile (inductor C++)*: needs the same compiler, and shared/research/codec.md measured it at
+  3-7 GB/s for the per-chunk encode and 2.6 GB/s for int8 dequantize.
+
+Fresh outputs (the ``bytes`` of :func:`encode`, the tensor of :func:`decode`) are advised onto
+transparent huge pages on Linux: 4 KB page faults otherwise cost more than the kernel (100M elements:
+public ``encode`` 6 -> 16 GB/s, ``decode`` 2.5 -> 14 GB/s). Hot paths should still reuse buffers:
+:func:`encode_into`, :func:`decode_into`, :func:`decode_accumulate`.
 
 **Bit-exactness.** The kernel follows the reference op for op in float32: ``scale = (hi - lo) / 255``,
 ``code = clamp(rint((x - lo) / scale), 0, 255) - 128`` with a true IEEE division (no reciprocal) and

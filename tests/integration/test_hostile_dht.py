@@ -1,0 +1,68 @@
+"""Hostile bytes at the DHT layer, sent by a raw hivemind node to a real peer process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import get_dht_time
+
+from hivetrain.dht.hardening import nested_tuple_payload
+from hivetrain.dht.identity import Identity, make_run_key
+from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
+
+
+async def _attack(maddr: str, run_key: str) -> dict[str, object]:
+    """A node without our validator tries: the nested-tuple payload as a dictionary value and as a
+    subkey, and an overwrite of another peer's heartbeat."""
+    attacker = await DHTNode.create(initial_peers=[maddr], client_mode=False)
+    try:
+        victim = PeerID.from_base58(maddr.rsplit("/", 1)[1])
+        stub = attacker.protocol.get_stub(victim)
+        key = DHTID.generate(source=heartbeat_key(run_key)).to_bytes()
+        payload = nested_tuple_payload(200)
+        results = {}
+        for name, subkey, value in [("dict_value", b"", payload), ("subkey", payload, b"\x00")]:
+            request = dht_pb2.StoreRequest(keys=[key], subkeys=[subkey], values=[value],
+                                           expiration_time=[get_dht_time() + 30], in_cache=[False],
+                                           peer=attacker.protocol.node_info)
+            try:
+                response = await stub.rpc_store(request, timeout=10)
+                results[name] = list(response.store_ok)
+            except Exception as e:  # an error reply is the right outcome too
+                results[name] = type(e).__name__
+        # a forged heartbeat: signed by the attacker, but placed under someone else's subkey
+        liar, honest = Identity.generate(), Identity.generate()
+        fields = dict(peer_id="12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", round=99,
+                      state_hash="0" * 64, throughput=1.0, train_loss=None, eval_loss=None)
+        forged = Envelope.sign(liar, "hb", heartbeat_key(run_key), encode_payload("hb", fields), time.time() + 30)
+        results["overwrite"] = await attacker.store(heartbeat_key(run_key), forged.encode(), time.time() + 30,
+                                                    subkey=honest.fingerprint)
+        return results
+    finally:
+        await attacker.shutdown()
+
+
+def test_nested_tuples_and_forged_records_do_not_hurt_a_peer(swarm) -> None:
+    peer = swarm("target", "--new-run", "hostile", "--sync-every", "2", "--matchmaking-timeout", "1")
+    info = peer.wait_info()
+    results = asyncio.run(_attack(info["maddrs"][0], info["run_key"]))
+    # the peer refused every one of them and is alive; it goes on to complete rounds afterwards
+    assert results["dict_value"] in ([False], "P2PHandlerError"), results
+    assert results["subkey"] in ([False], "P2PHandlerError"), results
+    assert results["overwrite"] is False, results
+    before = len(peer.records())
+    deadline = time.monotonic() + 60
+    while len(peer.records()) < before + 2:
+        assert peer.proc.poll() is None, f"the peer died:\n{peer.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "the peer stopped training after the attack"
+        try:
+            peer.proc.wait(0.2)
+        except Exception:
+            pass
+    assert "Segmentation" not in peer.log.read_text()
+    assert make_run_key("hostile", b"\0" * 32) != info["run_key"]
