@@ -21,6 +21,7 @@ import torch
 
 from hivetrain.kernels.int8 import Codec
 
+from .aggregation import aggregate
 from .errors import RoundFailed
 
 
@@ -31,6 +32,7 @@ class AverageResult:
     bytes_sent: int = 0  # bytes this peer wrote for the round (all messages, headers included)
     bytes_received: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)  # member -> why its part was left out (by reducers)
 
 
 class Averager(Protocol):
@@ -68,14 +70,15 @@ def group_hash(members: Sequence[str], round_: int, base_hash: str) -> str:
     return hashlib.sha256("\n".join([str(round_), base_hash, *members]).encode()).hexdigest()
 
 
-def reduce_parts(parts: Sequence[bytes], numel: int, codec: Codec) -> bytes:
-    """The reducer's work for one shard: fp32 mean of the decoded parts (in the given order),
-    re-encoded once. Raises CodecError if any part is malformed."""
-    acc = torch.zeros(numel, dtype=torch.float32)  # (numel,) fp32 accumulator
-    for part in parts:
-        codec.decode_accumulate(part, numel, acc)
-    acc.mul_(1.0 / len(parts))
-    return codec.encode(acc)
+def reduce_parts(parts: Sequence[bytes], numel: int, codec: Codec, how: str = "mean") -> bytes:
+    """The reducer's work for one shard: the decoded parts (in the given order) combined in fp32
+    (peer/aggregation.py), re-encoded once. Raises CodecError if any part is malformed."""
+    if how == "mean":
+        acc = torch.zeros(numel, dtype=torch.float32)  # (numel,) fp32 accumulator
+        for part in parts:
+            codec.decode_accumulate(part, numel, acc)
+        return codec.encode(acc.mul_(1.0 / len(parts)))
+    return codec.encode(aggregate([codec.decode(part, numel) for part in parts], how))
 
 
 class InMemoryHub:

@@ -115,6 +115,7 @@ class RunSpec:
     allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
     init_seed: int = 0
     sync_quorum: int = 2  # independent peers that must attest a state before a joiner accepts it
+    aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -144,6 +145,8 @@ class RunSpec:
         _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
         _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
         _check_int("spec", "sync_quorum", self.sync_quorum, 1, 64)
+        if self.aggregation not in ("robust", "mean"):
+            raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
         if self.version != SPEC_VERSION:
             raise ConfigError(f"run spec version {self.version} is not supported (this client speaks {SPEC_VERSION})")
 

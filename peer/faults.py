@@ -10,11 +10,16 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
-POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state")
-ACTIONS = ("kill", "stop", "exit", "corrupt")
+POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state",
+          "parts")
+# kill/stop/exit fire once at POINT:ROUND; the others stand from ROUND on: "corrupt" (a state donor
+# serving wrong bytes) and the Byzantine part attacks below (at POINT "parts")
+ATTACKS = ("nan", "huge", "flip", "const", "scale", "shortlen")
+ACTIONS = ("kill", "stop", "exit", "corrupt", *ATTACKS)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class FaultPlan:
                 os.fsync(f.fileno())
 
     def fire(self, point: str, round_: int) -> None:
-        if self.fired or self.action in (None, "corrupt") or (point, round_) != (self.point, self.round):
+        if self.fired or self.action not in ("kill", "stop", "exit") or (point, round_) != (self.point, self.round):
             return
         self.fired = True
         self._log(f"{self.action}@{point}:{round_}")
@@ -67,3 +72,25 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             sys.exit(3)
+
+
+def attack_part(action: str, honest: bytes, delta: Any, codec: Any) -> bytes:
+    """What a Byzantine member sends instead of ``honest`` (its encoded slice ``delta``)."""
+    import struct
+
+    import torch
+
+    if action == "huge":
+        return bytes(codec.encode(delta * 1e6))
+    if action == "flip":
+        return bytes(codec.encode(delta * -1000.0))
+    if action == "const":
+        norm = float(torch.linalg.vector_norm(delta))
+        return bytes(codec.encode(torch.full_like(delta, 10.0 * norm / max(1, delta.numel()) ** 0.5)))
+    if action == "nan":
+        return struct.pack("<f", float("nan")) + honest[4:]
+    if action == "scale":
+        return struct.pack("<f", 1e30) + honest[4:]
+    if action == "shortlen":
+        return honest[:-1]
+    raise ValueError(f"not an attack: {action}")

@@ -23,9 +23,10 @@ from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
 
 from . import transport
-from .averager import AverageResult, group_hash, group_order, reduce_parts, shard_bounds
+from .aggregation import OUTLIER, aggregate, outliers
+from .averager import AverageResult, group_hash, group_order, shard_bounds
 from .errors import RoundFailed
-from .faults import FaultPlan
+from .faults import ATTACKS, FaultPlan, attack_part
 from .matchmaking import Reply, View, reconcile_step
 from .wire import ProtocolError, read_frame
 
@@ -55,6 +56,10 @@ class P2PAverager:
         self._groups_seen: dict[int, set[str]] = defaultdict(set)
         self._arrived: asyncio.Event | None = None
         self._bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        self._invalid: dict[tuple[int, str, int, str], str] = {}  # (round, group, shard, sender) -> why
+        self._excluded: dict[tuple[int, str, int], list[str]] = {}  # (round, group, shard) -> left out by its reducer
+        self._banned: dict[str, str] = {}  # peers we caught sending garbage -> why; never grouped with again
+        self._round_excluded: dict[str, str] = {}
 
     def start(self) -> P2PAverager:
         self.me = self.dht.peer_id
@@ -92,12 +97,17 @@ class P2PAverager:
             raise
         sent, received = self._bytes[round_]
         return AverageResult(averaged, order, sent, received,
-                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1})
+                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1}, self._round_excluded)
 
     def _enter_round(self, round_: int) -> None:
         self.current_round = round_
+        self._round_excluded = {}
         for key in [k for k in self._inbox if k[0] < round_]:
             del self._inbox[key]
+        for ikey in [k for k in self._invalid if k[0] < round_]:
+            del self._invalid[ikey]
+        for ekey in [k for k in self._excluded if k[0] < round_]:
+            del self._excluded[ekey]
         for r in [r for r in self._views if r < round_ - 1]:
             del self._views[r]
         for r in [r for r in self._bytes if r < round_ - 1]:
@@ -149,6 +159,8 @@ class P2PAverager:
         window_end = time.monotonic() + spec.matchmaking_timeout
         while view.decided is None and len(view.effective()) < spec.target_group_size:
             view.merge(sorted(await self._ready_peers(view)), [])
+            for peer in self._banned:
+                view.exclude(peer)
             remaining = window_end - time.monotonic()
             if remaining <= 0 or len(view.effective()) >= spec.target_group_size:
                 break
@@ -195,6 +207,8 @@ class P2PAverager:
                 fields["decided"] = True  # done with (or out of) that round, without the sender
         elif view.decided is not None:
             fields.update(members=list(view.decided), decided=True)
+        elif sender in self._banned:
+            fields["decided"] = True  # we caught it sending garbage: not in our groups
         elif view.base == base:
             view.merge(header["members"] + [sender], header["excluded"])
             fields.update(members=sorted(view.members), excluded=sorted(view.excluded))
@@ -205,7 +219,9 @@ class P2PAverager:
     async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
         deadline = time.monotonic() + self.spec.allreduce_timeout
         try:
-            return await self._reduce_scatter_gather(round_, base, order, delta, deadline)
+            averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
+            self._round_excluded = excluded
+            return averaged
         except RoundFailed:
             # The others of the group void this round at the deadline at the latest; leaving earlier
             # would put us alone into the next round's matchmaking. Void together, start together.
@@ -213,30 +229,34 @@ class P2PAverager:
             raise
 
     async def _reduce_scatter_gather(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor,
-                                     deadline: float) -> torch.Tensor:
+                                     deadline: float) -> tuple[torch.Tensor, dict[str, str]]:
         gh = group_hash(order, round_, base)
         bounds = shard_bounds(self.numel, len(order))
         mine = order.index(self.me)
         loop = asyncio.get_running_loop()
         parts = await loop.run_in_executor(None, lambda: [self.codec.encode(delta[s:e].contiguous()) for s, e in bounds])
+        if self.faults.action in ATTACKS and self.faults.active("parts", round_):  # test hook: a Byzantine member
+            parts = [attack_part(self.faults.action, part, delta[s:e], self.codec)
+                     for part, (s, e) in zip(parts, bounds, strict=True)]
         self._inbox[(round_, gh, "part", mine, self.me)] = parts[mine]
         self.faults.fire("before_parts", round_)
         await self._send_all(round_, base, gh, "part", order, {k: parts[k] for k in range(len(order)) if k != mine},
                              deadline, strict=True)
         self.faults.fire("after_parts", round_)
 
-        await self._wait_for(lambda: all((round_, gh, "part", mine, p) in self._inbox for p in order), deadline,
-                             f"parts of shard {mine}")
+        def have(p: str) -> bool:
+            return (round_, gh, "part", mine, p) in self._inbox or (round_, gh, mine, p) in self._invalid
+
+        await self._wait_for(lambda: all(have(p) for p in order), deadline, f"parts of shard {mine}")
         s, e = bounds[mine]
-        inputs = [self._inbox[(round_, gh, "part", mine, p)] for p in order]
-        try:
-            result = await loop.run_in_executor(None, reduce_parts, inputs, e - s, self.codec)
-        except CodecError as err:
-            raise RoundFailed(f"a part of shard {mine} is malformed: {err}") from None
+        result, excluded = await loop.run_in_executor(None, self._reduce, round_, gh, mine, order, e - s)
+        for peer, why in excluded.items():
+            self._banned[peer] = f"round {round_}: {why}"  # seen by us: never in our groups again
         self._inbox[(round_, gh, "result", mine, self.me)] = result
+        self._excluded[(round_, gh, mine)] = sorted(excluded)
         self.faults.fire("before_results", round_)
         await self._send_all(round_, base, gh, "result", order, {k: result for k in range(len(order)) if k != mine},
-                             deadline, strict=False)
+                             deadline, strict=False, excluded=sorted(excluded))
 
         await self._wait_for(lambda: all((round_, gh, "result", k, p) in self._inbox for k, p in enumerate(order)),
                              deadline, "results of every shard")
@@ -246,16 +266,42 @@ class P2PAverager:
                 averaged[s:e] = self.codec.decode(self._inbox[(round_, gh, "result", k, order[k])], e - s)
             except CodecError as err:
                 raise RoundFailed(f"the result of shard {k} from {order[k]} is malformed: {err}") from None
-        return averaged
+        reported = {p: f"left out of shard {k} by {order[k]}" for k in range(len(order))
+                    for p in self._excluded.get((round_, gh, k), [])}
+        return averaged, {**reported, **excluded}
+
+    def _reduce(self, round_: int, gh: str, shard: int, order: tuple[str, ...],
+                numel: int) -> tuple[bytes, dict[str, str]]:
+        """Validates every member's part of our shard, leaves out (and names) the invalid ones, and
+        combines the rest with the run's aggregation; runs in a worker thread."""
+        decoded: dict[str, torch.Tensor] = {}
+        excluded: dict[str, str] = {}
+        for peer in order:
+            if (round_, gh, shard, peer) in self._invalid:
+                excluded[peer] = self._invalid[(round_, gh, shard, peer)]
+                continue
+            try:
+                decoded[peer] = self.codec.decode(self._inbox[(round_, gh, "part", shard, peer)], numel)
+            except CodecError as err:
+                excluded[peer] = f"invalid part: {err}"[:200]
+        if self.spec.aggregation == "robust":
+            peers = list(decoded)
+            for i in outliers([decoded[p] for p in peers]):
+                excluded[peers[i]] = f"part norm more than {OUTLIER:g}x the group median"
+                del decoded[peers[i]]
+        valid = list(decoded.values())
+        if 2 * len(valid) <= len(order) and excluded:
+            raise RoundFailed(f"only {len(valid)} of {len(order)} parts of shard {shard} are valid: {excluded}")
+        return self.codec.encode(aggregate(valid, self.spec.aggregation)), excluded
 
     async def _send_all(self, round_: int, base: str, gh: str, kind: str, order: tuple[str, ...],
-                        bodies: dict[int, bytes], deadline: float, strict: bool) -> None:
+                        bodies: dict[int, bytes], deadline: float, strict: bool, **extra: Any) -> None:
         """Sends ``bodies[k]`` to member k (parts: shard k is theirs; results: shard = mine)."""
         mine = order.index(self.me)
 
         async def send(k: int) -> None:
             shard = k if kind == "part" else mine
-            header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order))
+            header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order), **extra)
             for attempt in range(SEND_ATTEMPTS):
                 try:
                     ack, _ = await self._request(order[k], header, bodies[k], round_, deadline)
@@ -338,8 +384,15 @@ class P2PAverager:
             raise ProtocolError("too many groups for one round")
         s, e = shard_bounds(self.numel, size)[shard]
         if len(body) != self.codec.encoded_nbytes(e - s):
-            raise ProtocolError(f"{kind} for shard {shard} has {len(body)} bytes, expected "
-                                f"{self.codec.encoded_nbytes(e - s)}")
+            why = f"{kind} for shard {shard} has {len(body)} bytes, expected {self.codec.encoded_nbytes(e - s)}"
+            if kind == "part":  # mark it, so that the reducer does not wait for it until the deadline
+                seen.add(gh)
+                self._invalid[(round_, gh, shard, sender)] = why
+                assert self._arrived is not None
+                self._arrived.set()
+            raise ProtocolError(why)
+        if kind == "result":
+            self._excluded[(round_, gh, shard)] = header["excluded"]
         key = (round_, gh, kind, shard, sender)
         if key in self._inbox:
             if self._inbox[key] == body:

@@ -182,7 +182,8 @@ class Trainer:
         except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
             self.outer.void(self.model)
             self.totals["rounds_void"] += 1
-            record.update(void=True, why=str(e), group_size=0, group=[], bytes_sent=0, bytes_received=0)
+            record.update(void=True, why=str(e), group_size=0, group=[], bytes_sent=0, bytes_received=0,
+                          excluded={})
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
             self.outer.apply(result.averaged, self.model)
@@ -192,7 +193,8 @@ class Trainer:
             self.totals["ddp_equivalent_bytes"] += self.spec.sync_every * ring_allreduce_bytes(
                 self.numel, len(result.group))
             record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
-                          bytes_sent=result.bytes_sent, bytes_received=result.bytes_received, **result.stats)
+                          bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                          excluded=result.excluded, **result.stats)
         self.totals["inner_steps"] += self.spec.sync_every
         record["allreduce_s"] = time.perf_counter() - t1
         eval_loss = self._eval()

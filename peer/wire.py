@@ -54,7 +54,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "size": lambda v: _int(v, 1, MAX_GROUP)},
     # all-gather: the reducer's re-encoded result for shard ``shard``
     "result": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-               "size": lambda v: _int(v, 1, MAX_GROUP)},
+               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
     "state_req": {**_COMMON, "index": lambda v: _int(v, -1, 2**31)},
     "state_resp": {**_COMMON, "index": lambda v: _int(v, -1, 2**31), "ok": lambda v: isinstance(v, bool),

@@ -24,7 +24,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
         "view": {"members": [PEER, PEER2], "excluded": []},
         "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False},
         "part": {"group": HEX, "shard": 1, "size": 2},
-        "result": {"group": HEX, "shard": 0, "size": 1},
+        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": []},
         "ack": {"ok": True, "reason": ""},
     }
     return {**base, **extra[kind], **over}
