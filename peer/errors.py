@@ -16,7 +16,13 @@ class DataError(PeerError):
 
 
 class RoundFailed(PeerError):
-    """An outer round could not complete for this peer; the round is void and nothing was applied."""
+    """An outer round could not complete for this peer; the round is void and nothing was applied.
+
+    ``excluded`` names the members whose contributions were found invalid before the round failed."""
+
+    def __init__(self, message: str, excluded: dict[str, str] | None = None):
+        super().__init__(message)
+        self.excluded = dict(excluded or {})
 
 
 class StateMismatch(PeerError):

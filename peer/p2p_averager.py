@@ -222,11 +222,11 @@ class P2PAverager:
             averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
             self._round_excluded = excluded
             return averaged
-        except RoundFailed:
+        except RoundFailed as e:
             # The others of the group void this round at the deadline at the latest; leaving earlier
             # would put us alone into the next round's matchmaking. Void together, start together.
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            raise
+            raise RoundFailed(str(e), {**self._round_excluded, **e.excluded}) from None
 
     async def _reduce_scatter_gather(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor,
                                      deadline: float) -> tuple[torch.Tensor, dict[str, str]]:
@@ -252,6 +252,7 @@ class P2PAverager:
         result, excluded = await loop.run_in_executor(None, self._reduce, round_, gh, mine, order, e - s)
         for peer, why in excluded.items():
             self._banned[peer] = f"round {round_}: {why}"  # seen by us: never in our groups again
+        self._round_excluded.update(excluded)
         self._inbox[(round_, gh, "result", mine, self.me)] = result
         self._excluded[(round_, gh, mine)] = sorted(excluded)
         self.faults.fire("before_results", round_)
@@ -291,7 +292,7 @@ class P2PAverager:
                 del decoded[peers[i]]
         valid = list(decoded.values())
         if 2 * len(valid) <= len(order) and excluded:
-            raise RoundFailed(f"only {len(valid)} of {len(order)} parts of shard {shard} are valid: {excluded}")
+            raise RoundFailed(f"only {len(valid)} of {len(order)} parts of shard {shard} are valid", excluded)
         return self.codec.encode(aggregate(valid, self.spec.aggregation)), excluded
 
     async def _send_all(self, round_: int, base: str, gh: str, kind: str, order: tuple[str, ...],

@@ -183,7 +183,7 @@ class Trainer:
             self.outer.void(self.model)
             self.totals["rounds_void"] += 1
             record.update(void=True, why=str(e), group_size=0, group=[], bytes_sent=0, bytes_received=0,
-                          excluded={})
+                          excluded=e.excluded)
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
             self.outer.apply(result.averaged, self.model)
