@@ -151,20 +151,18 @@ class DHT:
             self._known.pop(next(iter(self._known)))
 
     async def _refresh_routing(self) -> None:
-        """Every REFRESH_PERIOD seconds, pings known peers missing from the routing table.
+        """Every REFRESH_PERIOD seconds, pings the most recent known peers of the run.
 
         After a partition heals, nobody would otherwise re-introduce the two sides' DHT nodes to
-        each other and the run would stay split. Pings are spaced out: libp2p backs off dialing a
-        peer quadratically in the number of failed attempts."""
+        each other and the run would stay split. Every known peer is pinged, not only those missing
+        from our routing table: a peer whose own dials are still in libp2p's backoff (which grows
+        quadratically with failed attempts) is reached through the connection we open to it."""
         from hivemind.p2p import PeerID
 
         while True:
             await asyncio.sleep(REFRESH_PERIOD)
-            table = self._node.protocol.routing_table
-            lost = [p for p in list(self._known)[-32:] if PeerID.from_base58(p) not in table]
-            if lost:
-                await asyncio.gather(*(self._node.protocol.call_ping(PeerID.from_base58(p)) for p in lost),
-                                     return_exceptions=True)
+            peers = [PeerID.from_base58(p) for p in list(self._known)[-32:]]
+            await asyncio.gather(*(self._node.protocol.call_ping(p) for p in peers), return_exceptions=True)
 
     def shutdown(self) -> None:
         """Stops the DHT node, p2pd and the loop thread; safe to call twice."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(600)
+
 COMMON = ["--sync-every", "3", "--allreduce-timeout", "12", "--max-rounds", "3", "--quiet"]
 
 

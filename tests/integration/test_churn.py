@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.timeout(600)
+
 FAST = ["--sync-every", "4", "--allreduce-timeout", "12"]
 
 

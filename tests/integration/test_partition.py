@@ -38,6 +38,7 @@ def _wait(cond: Any, peers: list[Any], timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_partition_then_heal_converges_to_one_state(swarm, net: Net) -> None:
     common = ["--sync-every", "4", "--allreduce-timeout", "10", "--max-rounds", "60", "--dht-timeout", "8",
               "--wait-for-peers", "4", "--quiet"]

@@ -14,6 +14,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_churn_soak(swarm) -> None:
     rounds = 12
     common = ["--sync-every", "4", "--allreduce-timeout", "8", "--max-rounds", str(rounds), "--quiet"]
