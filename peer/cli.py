@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--outer-lr", type=float)
     spec.add_argument("--outer-momentum", type=float)
     spec.add_argument("--compression", choices=["int8", "fp32"])
+    spec.add_argument("--aggregation", choices=["robust", "mean"],
+                      help="how reducers combine contributions (default robust: for public runs)")
     spec.add_argument("--target-group-size", type=int)
     spec.add_argument("--min-group-size", type=int)
     spec.add_argument("--matchmaking-timeout", type=float, help="seconds to wait for peers each round")
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=5)
     demo.add_argument("--preset", default="tiny")
     demo.add_argument("--sync-every", type=int, default=None, help="H (default: the preset's)")
+    demo.add_argument("--batch-size", type=int, default=None, help="per-peer batch (default: the preset's)")
+    demo.add_argument("--aggregation", choices=["robust", "mean"], default=None)
+    demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
@@ -142,7 +147,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         corpus = load_corpus(options.data_path)
         overrides = {k: getattr(args, k) for k in (
             "sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
-            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len")}
+            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation")}
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
         spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()

@@ -23,12 +23,15 @@ from .errors import ConfigError, PeerError
 def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, str] | None) -> list[str]:
     cmd = [sys.executable, "-m", "hivetrain.peer.cli", "start", "--quiet", "--threads", "1",
            "--max-rounds", str(args.rounds), "--metrics-file", os.path.join(workdir, f"peer{i}.jsonl"),
-           "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers)]
+           "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers),
+           "--eval-batches", str(args.eval_batches)]
     if join is None:
         cmd += ["--new-run", "demo", "--preset", args.preset, "--target-group-size", str(args.peers),
                 "--info-file", os.path.join(workdir, "peer0.json")]
-        if args.sync_every:
-            cmd += ["--sync-every", str(args.sync_every)]
+        for flag, value in (("--sync-every", args.sync_every), ("--batch-size", args.batch_size),
+                            ("--aggregation", args.aggregation)):
+            if value:
+                cmd += [flag, str(value)]
     else:
         cmd += ["--run", join[0], "--initial-peers", join[1]]
     return cmd
