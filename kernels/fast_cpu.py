@@ -564,16 +564,7 @@ def _parse(payload: object, numel: int, chunk_size: int) -> tuple[np.ndarray, np
     scales = raw[: 4 * n].view("<f4").copy()  # (n,) float32 private copies: validated once, used once
     offsets = raw[4 * n : 8 * n].view("<f4").copy()  # (n,) float32
     codes = raw[8 * n :].view(np.int8)  # (numel,) aliases the payload: consumed at once
-    s, o = torch.from_numpy(scales), torch.from_numpy(offsets)
-    checks = (
-        (~torch.isfinite(s), "non-finite scale"),
-        (s < 0, "negative scale"),
-        (s > ref.MAX_ABS_SCALE, f"scale above {ref.MAX_ABS_SCALE:g}"),
-        (~torch.isfinite(o), "non-finite offset"),
-        (o.abs() > ref.MAX_ABS_OFFSET, f"|offset| above {ref.MAX_ABS_OFFSET:g}"),
-        (o.double() + 255.0 * s.double() > ref.MAX_DECODED, "decoded values would overflow float32"),
-    )
-    for bad, what in checks:
+    for bad, what in ref.scale_checks(torch.from_numpy(scales), torch.from_numpy(offsets)):
         if bool(bad.any()):
             raise CodecError(f"int8 payload: {what} in chunk {int(bad.nonzero()[0, 0])} of {n}")
     return scales, offsets, codes

@@ -130,7 +130,16 @@ def _parse(payload: Payload, numel: int, chunk_size: int) -> tuple[torch.Tensor,
     scales = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=0).clone()  # (n,) float32
     offsets = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=4 * n).clone()  # (n,) float32
     codes = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=8 * n)  # (numel,) int8
-    checks = (
+    for bad, what in scale_checks(scales, offsets):
+        if bool(bad.any()):
+            raise CodecError(f"int8 payload: {what} in chunk {int(bad.nonzero()[0, 0])} of {n}")
+    return scales, offsets, codes
+
+
+def scale_checks(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[tuple[torch.Tensor, str], ...]:
+    """The per-chunk validity rules of a payload, as (bad mask (n,), what) pairs: one definition for
+    the reference, the C path and the Triton path."""
+    return (
         (~torch.isfinite(scales), "non-finite scale"),
         (scales < 0, "negative scale"),
         (scales > MAX_ABS_SCALE, f"scale above {MAX_ABS_SCALE:g}"),
@@ -138,10 +147,6 @@ def _parse(payload: Payload, numel: int, chunk_size: int) -> tuple[torch.Tensor,
         (offsets.abs() > MAX_ABS_OFFSET, f"|offset| above {MAX_ABS_OFFSET:g}"),
         (offsets.double() + 255.0 * scales.double() > MAX_DECODED, "decoded values would overflow float32"),
     )
-    for bad, what in checks:
-        if bool(bad.any()):
-            raise CodecError(f"int8 payload: {what} in chunk {int(bad.nonzero()[0, 0])} of {n}")
-    return scales, offsets, codes
 
 
 def _check_acc(acc: torch.Tensor, numel: int, weight: float) -> None:

@@ -161,14 +161,7 @@ def _validate(payload: torch.Tensor, numel: int, chunk_size: int) -> tuple[torch
         raise CodecError(f"int8 payload has {payload.numel()} bytes, expected {expected} (numel={numel}, chunk_size={chunk_size})")
     s, o, codes = _split(payload, numel, chunk_size)
     n = s.numel()
-    checks = (
-        (~torch.isfinite(s), "non-finite scale"),
-        (s < 0, "negative scale"),
-        (s > ref.MAX_ABS_SCALE, f"scale above {ref.MAX_ABS_SCALE:g}"),
-        (~torch.isfinite(o), "non-finite offset"),
-        (o.abs() > ref.MAX_ABS_OFFSET, f"|offset| above {ref.MAX_ABS_OFFSET:g}"),
-        (o.double() + 255.0 * s.double() > ref.MAX_DECODED, "decoded values would overflow float32"),
-    )
+    checks = ref.scale_checks(s, o)
     bad = torch.stack([b for b, _ in checks])  # (6, n) bool: one host sync for all checks
     if bool(bad.any()):
         rows = bad.any(dim=1).cpu().numpy()

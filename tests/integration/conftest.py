@@ -78,6 +78,21 @@ def swarm(tmp_path: Path) -> Iterator[Any]:
                 pass
 
 
+def wait_until(cond: Any, peers: list[PeerProc], timeout: float, what: str) -> None:
+    """Waits for ``cond()`` (a condition on the peers' metrics, not a sleep), failing early if a peer
+    exits and with the peers' log tails if ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for p in peers:
+            assert p.proc.poll() is None, f"{p.name} exited:\n{p.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(
+            p.log.read_text()[-1500:] for p in peers)
+        try:
+            peers[0].proc.wait(0.2)  # wakes early if the first peer exits
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hivetrain.peer.cli", *args], capture_output=True, text=True,
                           timeout=timeout, start_new_session=True)

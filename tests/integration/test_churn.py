@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .conftest import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -16,17 +17,7 @@ FAST = ["--sync-every", "4", "--allreduce-timeout", "12"]
 
 
 def _wait_rounds(peers: list[Any], n: int, timeout: float) -> None:
-    """Waits until every peer has written ``n`` round records (a condition, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not all(len(p.records()) >= n for p in peers):
-        for p in peers:
-            assert p.proc.poll() is None, f"{p.name} exited:\n{p.log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {n} rounds:\n" + "\n".join(
-            p.log.read_text()[-1500:] for p in peers)
-        try:
-            peers[0].proc.wait(0.2)
-        except Exception:
-            pass
+    wait_until(lambda: all(len(p.records()) >= n for p in peers), peers, timeout, f"{n} rounds")
 
 
 def _hash_after(peer: Any, round_: int) -> str:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
+from .conftest import wait_until
 from .netns import Net
 
 
@@ -24,17 +23,7 @@ def net() -> Iterator[Net]:
         network.down()
 
 
-def _wait(cond: Any, peers: list[Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        for p in peers:
-            assert p.proc.poll() is None, f"{p.name} exited:\n{p.log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + "\n".join(
-            p.log.read_text()[-1500:] for p in peers)
-        try:
-            peers[0].proc.wait(0.2)
-        except Exception:
-            pass
+_wait = wait_until
 
 
 @pytest.mark.slow
