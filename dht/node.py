@@ -183,6 +183,8 @@ class DHT:
                 logger.warning("DHT shutdown was not clean: %s", e)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()  # else its __del__ complains at exit, with a traceback a user would see
 
     # ---- calls from other threads ---------------------------------------------------------------
 

@@ -47,28 +47,44 @@ class Attested:
     attesters: tuple[str, ...]  # peer ids that announced this state
 
 
-def choose(heartbeats: Iterable[dict[str, Any]], me: str, my_round: int, my_hash: str,
-           quorum: int) -> Attested | None:
+LOOKBACK = 3  # rounds: a peer compares its own recent states with what the run attested for them
+
+
+def choose(heartbeats: Iterable[dict[str, Any]], me: str, my_round: int, my_hash: str, quorum: int,
+           history: dict[int, str] | None = None) -> Attested | None:
     """The state this peer should move to, or None if its own state stands. Pure.
 
-    k = ``quorum`` independent attesters, or 1 when only one other peer is alive, or when no state
+    A state attested for a round ahead of ours wins. A state attested for our round, or one of the
+    LOOKBACK rounds before it, wins over the state *we* held at that round if more peers attest it
+    (ties: the smaller hash): then we are on a minority fork, even if we raced ahead of the others
+    in round numbers, and we go back to their state. ``history`` maps our recent rounds to our
+    hashes. k = ``quorum`` attesters, or 1 when only one other peer is alive, or when no state
     (ours included) has k attesters: then a split run still converges on one state."""
+    mine_by_round = dict(history or {})
+    mine_by_round[my_round] = my_hash
     latest: dict[str, dict[str, Any]] = {}
     for hb in heartbeats:
         if hb["peer_id"] != me and hb["round"] >= latest.get(hb["peer_id"], {"round": -1})["round"]:
             latest[hb["peer_id"]] = hb
     k = 1 if len(latest) <= 1 else quorum
     counts = Counter((hb["round"], hb["state_hash"]) for hb in latest.values())
-    mine = counts[(my_round, my_hash)] + 1
-    if mine < k and all(c < k for c in counts.values()):
+    if counts[(my_round, my_hash)] + 1 < k and all(c < k for c in counts.values()):
         k = 1  # the run is fragmented (no state has k attesters): converge on the fixed rule anyway
-    candidates = [(r, c, h) for (r, h), c in counts.items() if c >= k and h != my_hash]
+
+    def beats_ours(r: int, c: int, h: str) -> bool:
+        if r > my_round:
+            return True
+        ours = mine_by_round.get(r)
+        if ours is None or ours == h or r < my_round - LOOKBACK:
+            return False
+        ours_count = counts[(r, ours)] + 1
+        return c > ours_count or (c == ours_count and h < ours)
+
+    candidates = [(r, c, h) for (r, h), c in counts.items() if c >= k and beats_ours(r, c, h)]
     if not candidates:
         return None
     # highest round, then most attesters, then the smallest hash (negated for max())
     r, c, h = max(candidates, key=lambda x: (x[0], x[1], [-b for b in bytes.fromhex(x[2])]))
-    if r < my_round or (r == my_round and (c < mine or (c == mine and h > my_hash))):
-        return None
     return Attested(r, h, tuple(sorted(p for p, hb in latest.items() if (hb["round"], hb["state_hash"]) == (r, h))))
 
 
@@ -119,10 +135,10 @@ class StateSync:
 
     # ---- choosing and downloading (training thread) ---------------------------------------------
 
-    def check(self, my_round: int, my_hash: str) -> Attested | None:
+    def check(self, my_round: int, my_hash: str, history: dict[int, str] | None = None) -> Attested | None:
         heartbeats = read_heartbeats(self.dht, self.run_key)
         self.dht.remember_threadsafe(hb["peer_id"] for hb in heartbeats)
-        return choose(heartbeats, self.dht.peer_id, my_round, my_hash, self.quorum)
+        return choose(heartbeats, self.dht.peer_id, my_round, my_hash, self.quorum, history)
 
     def download(self, target: Attested, timeout: float) -> Snapshot:
         """Downloads and verifies ``target`` from its attesters; raises StateSyncFailed."""
@@ -200,10 +216,11 @@ class StateKeeper:
 
     def __init__(self, sync: StateSync, checkpoint_path: str | None, timeout: float, log: Any = print):
         self.sync, self.checkpoint_path, self.timeout, self.log = sync, checkpoint_path, timeout, log
+        self.history: dict[int, str] = {}  # our recent rounds -> the state hash we held at them
 
     def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
         try:
-            target = self.sync.check(round_, state_hash)
+            target = self.sync.check(round_, state_hash, self.history)
         except PeerError as e:
             self.log(f"could not read the run's attestations ({e}); keeping our state this round")
             return None
@@ -237,6 +254,8 @@ class StateKeeper:
             time.sleep(0.5)  # the DHT has no watch; bounded by the deadline
 
     def committed(self, snapshot: Snapshot) -> None:
+        self.history = {r: h for r, h in self.history.items() if snapshot.round - LOOKBACK <= r < snapshot.round}
+        self.history[snapshot.round] = snapshot.hash
         self.sync.serve(snapshot)
         if self.checkpoint_path:
             checkpoint.write(self.checkpoint_path, snapshot)
