@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--outer-lr", type=float)
     spec.add_argument("--outer-momentum", type=float)
     spec.add_argument("--compression", choices=["int8", "fp32"])
+    spec.add_argument("--error-feedback", action="store_true", default=None,
+                      help="carry each round's int8 quantization residual into the next round")
     spec.add_argument("--aggregation", choices=["robust", "mean"],
                       help="how reducers combine contributions (default robust: for public runs)")
     spec.add_argument("--target-group-size", type=int)
@@ -147,7 +149,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         corpus = load_corpus(options.data_path)
         overrides = {k: getattr(args, k) for k in (
             "sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
-            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation")}
+            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation", "error_feedback")}
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
         spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()

@@ -116,6 +116,7 @@ class RunSpec:
     init_seed: int = 0
     sync_quorum: int = 2  # independent peers that must attest a state before a joiner accepts it
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
+    error_feedback: bool = False  # send this round's quantization residual with the next round's part
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -145,6 +146,8 @@ class RunSpec:
         _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
         _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
         _check_int("spec", "sync_quorum", self.sync_quorum, 1, 64)
+        if not isinstance(self.error_feedback, bool):
+            raise ConfigError("spec.error_feedback must be true or false")
         if self.aggregation not in ("robust", "mean"):
             raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
         if self.version != SPEC_VERSION:

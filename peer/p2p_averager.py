@@ -19,6 +19,7 @@ import torch
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT
 from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
+from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
 
@@ -60,6 +61,7 @@ class P2PAverager:
         self._excluded: dict[tuple[int, str, int], list[str]] = {}  # (round, group, shard) -> left out by its reducer
         self._banned: dict[str, str] = {}  # peers we caught sending garbage -> why; never grouped with again
         self._round_excluded: dict[str, str] = {}
+        self._ef = ErrorFeedback(numel) if spec.error_feedback and spec.compression == "int8" else None
 
     def start(self) -> P2PAverager:
         self.me = self.dht.peer_id
@@ -221,8 +223,12 @@ class P2PAverager:
         try:
             averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
             self._round_excluded = excluded
+            if self._ef is not None:
+                self._ef.commit()
             return averaged
         except RoundFailed as e:
+            if self._ef is not None:
+                self._ef.discard()
             # The others of the group void this round at the deadline at the latest; leaving earlier
             # would put us alone into the next round's matchmaking. Void together, start together.
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -234,7 +240,11 @@ class P2PAverager:
         bounds = shard_bounds(self.numel, len(order))
         mine = order.index(self.me)
         loop = asyncio.get_running_loop()
-        parts = await loop.run_in_executor(None, lambda: [self.codec.encode(delta[s:e].contiguous()) for s, e in bounds])
+        source = self._ef.compensate(delta) if self._ef is not None else delta  # (n,) fp32
+        parts = await loop.run_in_executor(None, lambda: [self.codec.encode(source[s:e].contiguous()) for s, e in bounds])
+        if self._ef is not None:
+            sent = torch.cat([self.codec.decode(part, e - s) for part, (s, e) in zip(parts, bounds, strict=True)])
+            self._ef.sent(source, sent)
         if self.faults.action in ATTACKS and self.faults.active("parts", round_):  # test hook: a Byzantine member
             parts = [attack_part(self.faults.action, part, delta[s:e], self.codec)
                      for part, (s, e) in zip(parts, bounds, strict=True)]

@@ -84,3 +84,15 @@ def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
     a, b = owner.records(), joiner.records()
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
     assert all(r["group_size"] == 2 for r in a + b)
+
+
+def test_error_feedback_run_stays_bit_identical(swarm) -> None:
+    owner = swarm("owner", "--new-run", "ef", "--sync-every", "3", "--max-rounds", "3", "--error-feedback",
+                  "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
+    info = owner.wait_info()
+    joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
+                   "--max-rounds", "3", "--wait-for-peers", "2", "--quiet")
+    assert owner.wait(120) == 0 and joiner.wait(120) == 0
+    a, b = owner.records(), joiner.records()
+    assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
+    assert all(not r["void"] and r["group_size"] == 2 for r in a + b)
