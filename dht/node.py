@@ -161,7 +161,12 @@ class DHT:
 
         while True:
             await asyncio.sleep(REFRESH_PERIOD)
-            peers = [PeerID.from_base58(p) for p in list(self._known)[-32:]]
+            peers = []
+            for p in list(self._known)[-32:]:
+                try:
+                    peers.append(PeerID.from_base58(p))
+                except ValueError:  # a well-formed but undecodable id from someone's record: forget it
+                    self._known.pop(p, None)
             await asyncio.gather(*(self._node.protocol.call_ping(p) for p in peers), return_exceptions=True)
 
     def shutdown(self) -> None:

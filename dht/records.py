@@ -160,6 +160,13 @@ def _is_str(max_len: int) -> Check:
     return lambda v: isinstance(v, str) and 0 < len(v) <= max_len
 
 
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # a base58 libp2p peer id
+
+
+def _is_peer_id(v: Any) -> bool:
+    return isinstance(v, str) and bool(_PEER_ID.fullmatch(v))
+
+
 def _is_hex64(v: Any) -> bool:
     return isinstance(v, str) and bool(_HEX64.fullmatch(v))
 
@@ -171,7 +178,7 @@ def _optional(check: Check) -> Check:
 MAX_ROUND = 10**9
 SCHEMAS: dict[str, dict[str, Check]] = {
     "hb": {
-        "peer_id": _is_str(128),
+        "peer_id": _is_peer_id,
         "round": _is_int(0, MAX_ROUND),
         "state_hash": _is_hex64,
         "throughput": _is_float(0.0, 1e12),  # tokens per second
@@ -179,7 +186,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "eval_loss": _optional(_is_float(0.0, 1e6)),
     },
     "ready": {
-        "peer_id": _is_str(128),
+        "peer_id": _is_peer_id,
         "round": _is_int(0, MAX_ROUND),
         "base_hash": _is_hex64,
         "spec_hash": _is_hex64,

@@ -124,7 +124,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from .data import load_corpus
     from .errors import StateMismatch
     from .faults import FaultPlan
-    from .model import build_model, count_parameters
+    from .model import Llama, count_parameters
     from .p2p_averager import P2PAverager
     from .run import fetch_spec, new_run, publish_heartbeat, republish
     from .state_sync import StateKeeper, StateSync
@@ -189,7 +189,8 @@ def cmd_start(args: argparse.Namespace) -> int:
                 json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs}, f)
             os.replace(tmp, args.info_file)
 
-        numel = count_parameters(build_model(spec.model, spec.init_seed))
+        with torch.device("meta"):  # the parameter count only: no memory, no initialisation
+            numel = count_parameters(Llama(spec.model))
         averager = P2PAverager(dht, identity, run_key, spec, numel, faults).start()
         metrics = MetricsWriter(options.metrics_file)
         heartbeat_ttl = 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60

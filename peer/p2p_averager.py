@@ -240,11 +240,7 @@ class P2PAverager:
         bounds = shard_bounds(self.numel, len(order))
         mine = order.index(self.me)
         loop = asyncio.get_running_loop()
-        source = self._ef.compensate(delta) if self._ef is not None else delta  # (n,) fp32
-        parts = await loop.run_in_executor(None, lambda: [self.codec.encode(source[s:e].contiguous()) for s, e in bounds])
-        if self._ef is not None:
-            sent = torch.cat([self.codec.decode(part, e - s) for part, (s, e) in zip(parts, bounds, strict=True)])
-            self._ef.sent(source, sent)
+        parts = await loop.run_in_executor(None, self._encode_parts, delta, bounds)
         if self.faults.action in ATTACKS and self.faults.active("parts", round_):  # test hook: a Byzantine member
             parts = [attack_part(self.faults.action, part, delta[s:e], self.codec)
                      for part, (s, e) in zip(parts, bounds, strict=True)]
@@ -280,6 +276,15 @@ class P2PAverager:
         reported = {p: f"left out of shard {k} by {order[k]}" for k in range(len(order))
                     for p in self._excluded.get((round_, gh, k), [])}
         return averaged, {**reported, **excluded}
+
+    def _encode_parts(self, delta: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bytes]:
+        """Encodes our slice for every shard (with error feedback if the run uses it); worker thread."""
+        source = self._ef.compensate(delta) if self._ef is not None else delta  # (n,) fp32
+        parts = [self.codec.encode(source[s:e].contiguous()) for s, e in bounds]
+        if self._ef is not None:
+            sent = torch.cat([self.codec.decode(part, e - s) for part, (s, e) in zip(parts, bounds, strict=True)])
+            self._ef.sent(source, sent)
+        return parts
 
     def _reduce(self, round_: int, gh: str, shard: int, order: tuple[str, ...],
                 numel: int) -> tuple[bytes, dict[str, str]]:

@@ -55,8 +55,11 @@ def other() -> Identity:
     return Identity.generate()
 
 
+PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed libp2p peer id
+
+
 def _hb_fields(**over: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = dict(peer_id="QmPeer", round=3, state_hash=HASH, throughput=1234.5,
+    fields: dict[str, Any] = dict(peer_id=PEER, round=3, state_hash=HASH, throughput=1234.5,
                                   train_loss=2.5, eval_loss=None)
     fields.update(over)
     return fields
@@ -332,6 +335,7 @@ def test_heartbeat_payload_round_trip() -> None:
     _hb_fields(state_hash=HASH.upper()),
     _hb_fields(peer_id=""),
     _hb_fields(peer_id="p" * 129),
+    _hb_fields(peer_id="not a peer id!"),  # would break view messages and the DHT refresh
     _hb_fields(train_loss=[1.0]),
     _hb_fields(extra=1),  # extra field
     {k: v for k, v in _hb_fields().items() if k != "eval_loss"},  # missing field
@@ -350,7 +354,7 @@ def test_non_map_payload_rejected() -> None:
 
 
 def test_ready_payload_round_trip() -> None:
-    fields = dict(peer_id="QmPeer", round=0, base_hash=HASH, spec_hash=HASH)
+    fields = dict(peer_id=PEER, round=0, base_hash=HASH, spec_hash=HASH)
     assert decode_payload("ready", encode_payload("ready", fields)) == fields
     with pytest.raises(InvalidRecord):
         encode_payload("ready", {**fields, "round": 10**9 + 1})
@@ -433,7 +437,7 @@ def test_check_record_binds_key_subkey_and_expiration(owner: Identity, other: Id
 def test_check_record_rejects_kind_key_mismatch(owner: Identity, kind: str, key: str) -> None:
     run_key = make_run_key("r1", owner.public_key)
     payload = encode_payload("hb", _hb_fields()) if kind == "hb" else encode_payload(
-        "ready", dict(peer_id="QmPeer", round=1, base_hash=HASH, spec_hash=HASH))
+        "ready", dict(peer_id=PEER, round=1, base_hash=HASH, spec_hash=HASH))
     env = Envelope.sign(owner, kind, key.format(rk=run_key), payload, time.time() + 60)
     with pytest.raises(InvalidRecord):
         check_record(*_dht_args(env))
@@ -441,7 +445,7 @@ def test_check_record_rejects_kind_key_mismatch(owner: Identity, kind: str, key:
 
 def test_check_record_accepts_ready_record(owner: Identity) -> None:
     run_key = make_run_key("r1", owner.public_key)
-    payload = encode_payload("ready", dict(peer_id="QmPeer", round=12, base_hash=HASH, spec_hash=HASH))
+    payload = encode_payload("ready", dict(peer_id=PEER, round=12, base_hash=HASH, spec_hash=HASH))
     env = Envelope.sign(owner, "ready", ready_key(run_key, 12), payload, time.time() + 60)
     assert check_record(*_dht_args(env)) == env
 
