@@ -46,8 +46,9 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
     norms = torch.linalg.vector_norm(x, dim=1)  # (n,)
     x.mul_(_clip_weights(norms, clip * norms.median())[:, None])
     v = x.median(dim=0).values  # (d,) robust starting point
+    diff = torch.empty_like(x)  # (n, d) reused: a fresh one per iteration cost ~30% of the time in page faults
     for _ in range(iters):
-        diff = x - v  # (n, d)
+        torch.sub(x, v, out=diff)
         dist = torch.linalg.vector_norm(diff, dim=1)  # (n,)
         diff.mul_(_clip_weights(dist, clip * dist.median())[:, None])
         v = v + diff.mean(dim=0)
