@@ -14,14 +14,15 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from multiaddr import Multiaddr
 
-from . import hardening
+from . import hardening, store_guard
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .process import children_die_with_us, remove_stale_sockets
+from .quota import QuotaConfig
 from .records import Envelope
 from .validator import EnvelopeValidator
 
@@ -57,6 +58,7 @@ class DHTOptions:
     announce_maddrs: tuple[str, ...] = ()
     p2p_identity_path: str | None = None
     timeout: float = 15.0  # seconds: bootstrap and each DHT call
+    store_quota: QuotaConfig = field(default_factory=QuotaConfig)  # caps on what other peers store here
 
 
 class DHT:
@@ -102,6 +104,7 @@ class DHT:
         from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
         hardening.install()  # before any peer can send us bytes
+        store_guard.install()  # before DHTNode.create registers the rpc_store handler
         remove_stale_sockets()
         try:
             with children_die_with_us():
@@ -134,6 +137,7 @@ class DHT:
                     "none of the initial peers answered; check that they run and that the addresses are right"
                 ) from None
             raise
+        store_guard.attach(self._node.protocol, self.options.store_quota)
         self.peer_id = self.p2p.peer_id.to_base58()
         self.remember(m["p2p"] for m in self._initial)
         self._refresher = asyncio.create_task(self._refresh_routing())
@@ -204,6 +208,13 @@ class DHT:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DHTTimeout(f"DHT operation timed out after {timeout:.1f} s") from None
+
+    def quota_stats(self) -> dict[str, int]:
+        """Counts of this node's store quota: requests, stored, stale, rejections by reason, entries."""
+        async def _stats() -> dict[str, int]:
+            return store_guard.guard_of(self._node.protocol).stats()
+
+        return self.run(_stats(), timeout=self.options.timeout)
 
     def visible_maddrs(self) -> list[str]:
         maddrs = self.run(self.p2p.get_visible_maddrs(), timeout=self.options.timeout)

@@ -7,6 +7,8 @@ own, or keep a record alive past the expiration its signer chose.
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 from hivemind.dht.crypto import DHTRecord, RecordValidatorBase
 from hivemind.dht.routing import DHTID
@@ -35,8 +37,9 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
         raise InvalidRecord("envelope was signed for another key")
     if subkey_bytes != msgpack.packb(envelope.subkey, use_bin_type=True):
         raise InvalidRecord("envelope stored under a subkey that is not its signer's")
-    if expiration_time > envelope.expiration:
-        raise InvalidRecord("DHT expiration is later than the signed expiration")
+    if not math.isfinite(expiration_time) or expiration_time > envelope.expiration:
+        # NaN passes every comparison in hivemind's TimedStorage: such a record would never expire
+        raise InvalidRecord("DHT expiration is not finite or later than the signed expiration")
     parts = envelope.key.split("/")
     if len(parts) < 3 or parts[0] != "hivetrain" or not RUN_KEY_RE.fullmatch(parts[1]):
         raise InvalidRecord("record key is not a hivetrain run key")
