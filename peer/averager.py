@@ -33,6 +33,7 @@ class AverageResult:
     bytes_received: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)  # member -> why its part was left out (by reducers)
+    void_ranges: tuple[tuple[int, int], ...] = ()  # [start, end) of shards voided by their audit: not applied
 
 
 class Averager(Protocol):

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="carry each round's int8 quantization residual into the next round")
     spec.add_argument("--aggregation", choices=["robust", "mean"],
                       help="how reducers combine contributions (default robust: for public runs)")
+    spec.add_argument("--audit", action=argparse.BooleanOptionalAction, default=None,
+                      help="have a second member recompute every shard (default on; off saves a third of the bytes)")
+    spec.add_argument("--max-per-prefix", type=int,
+                      help="Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group (default 2; 0: off)")
     spec.add_argument("--target-group-size", type=int)
     spec.add_argument("--min-group-size", type=int)
     spec.add_argument("--matchmaking-timeout", type=float, help="seconds to wait for peers each round")
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--info-file", metavar="PATH", help=argparse.SUPPRESS)
     peer.add_argument("--fault", help=argparse.SUPPRESS)
     peer.add_argument("--fault-log", help=argparse.SUPPRESS)
+    peer.add_argument("--count-loopback-prefix", action="store_true", help=argparse.SUPPRESS)  # tests: cap loopback
     peer.add_argument("-q", "--quiet", action="store_true", help="only print errors")
     peer.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
 
@@ -138,6 +143,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         dht_timeout=args.dht_timeout, fault=args.fault, wait_for_peers=args.wait_for_peers,
     )
     faults = FaultPlan.parse(options.fault, args.fault_log)
+    if args.count_loopback_prefix:
+        from . import sybil
+
+        sybil.COUNT_LOOPBACK = True
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -149,7 +158,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         corpus = load_corpus(options.data_path)
         overrides = {k: getattr(args, k) for k in (
             "sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
-            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation", "error_feedback")}
+            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation", "error_feedback",
+            "audit", "max_per_prefix")}
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
         spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()

@@ -117,6 +117,8 @@ class RunSpec:
     sync_quorum: int = 2  # independent peers that must attest a state before a joiner accepts it
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
     error_feedback: bool = False  # send this round's quantization residual with the next round's part
+    max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
+    audit: bool = True  # every shard recomputed by a second member; a wrong aggregate is void (+50% part bytes)
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -148,6 +150,9 @@ class RunSpec:
         _check_int("spec", "sync_quorum", self.sync_quorum, 1, 64)
         if not isinstance(self.error_feedback, bool):
             raise ConfigError("spec.error_feedback must be true or false")
+        _check_int("spec", "max_per_prefix", self.max_per_prefix, 0, 64)
+        if not isinstance(self.audit, bool):
+            raise ConfigError("spec.audit must be true or false")
         if self.aggregation not in ("robust", "mean"):
             raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
         if self.version != SPEC_VERSION:

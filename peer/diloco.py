@@ -12,7 +12,7 @@ Parameters travel as one flat fp32 vector in ``model.parameters()`` order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -124,9 +124,16 @@ class OuterState:
         copy_params_to_flat(model.parameters(), self._local)
         return pseudo_gradient(self.master, self._local, out=self._delta)
 
-    def apply(self, averaged: torch.Tensor, model: nn.Module) -> None:
-        """Completes the round: outer step with the group's averaged delta, then params <- master."""
+    def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = ()) -> None:
+        """Completes the round: outer step with the group's averaged delta, then params <- master.
+
+        ``keep``: [start, end) ranges the round voided (shards that failed their audit): their master
+        values and momentum stay as they were."""
+        kept = [(s, e, self.master[s:e].clone(), self.momentum[s:e].clone()) for s, e in keep]
         nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu)
+        for s, e, master, momentum in kept:
+            self.master[s:e] = master
+            self.momentum[s:e] = momentum
         self.round += 1
         self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())

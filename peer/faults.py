@@ -15,11 +15,13 @@ from typing import Any
 from .errors import ConfigError
 
 POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state",
-          "parts")
+          "parts", "results")
 # kill/stop/exit fire once at POINT:ROUND; the others stand from ROUND on: "corrupt" (a state donor
-# serving wrong bytes) and the Byzantine part attacks below (at POINT "parts")
+# serving wrong bytes), the Byzantine part attacks below (at POINT "parts") and "wrongsum" (a reducer
+# that sends a wrong aggregate with honest commitments, at POINT "results") and "replay" (a member that
+# sends its previous round's part messages verbatim instead of this round's, at POINT "parts")
 ATTACKS = ("nan", "huge", "flip", "const", "scale", "shortlen")
-ACTIONS = ("kill", "stop", "exit", "corrupt", *ATTACKS)
+ACTIONS = ("kill", "stop", "exit", "corrupt", "wrongsum", "replay", *ATTACKS)
 
 
 @dataclass
@@ -94,3 +96,10 @@ def attack_part(action: str, honest: bytes, delta: Any, codec: Any) -> bytes:
     if action == "shortlen":
         return honest[:-1]
     raise ValueError(f"not an attack: {action}")
+
+
+def attack_result(honest: bytes, numel: int, codec: Any) -> bytes:
+    """What a cheating reducer sends instead of its result: the aggregate pushed 50 steps off."""
+    x = codec.decode(honest, numel)  # (numel,) fp32
+    spread = float(x.abs().max()) or 1.0
+    return bytes(codec.encode(x - spread))

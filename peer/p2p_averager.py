@@ -9,6 +9,7 @@ transport), never a field the sender fills in.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -24,22 +25,21 @@ from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
 
 from . import transport
-from .aggregation import OUTLIER, aggregate, outliers
-from .averager import AverageResult, group_hash, group_order, shard_bounds
+from .allreduce import DUPLICATE, AllReduce
+from .averager import AverageResult, group_order, shard_bounds
 from .errors import RoundFailed
-from .faults import ATTACKS, FaultPlan, attack_part
+from .faults import FaultPlan
 from .matchmaking import Reply, View, reconcile_step
+from .sybil import cap_by_prefix, first_prefix, observed_prefixes
 from .wire import ProtocolError, read_frame
 
 logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange
 POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
 MAX_GROUPS_PER_ROUND = 4  # distinct group hashes a peer buffers messages for, per round
-SEND_ATTEMPTS = 3  # deliveries of one part or result, within the all-reduce deadline
-DUPLICATE = "duplicate"
 
 
-class P2PAverager:
+class P2PAverager(AllReduce):
     """Averages pseudo-gradients with the peers of one run. Construct, then ``start()``."""
 
     def __init__(self, dht: DHT, identity: Identity, run_key: str, spec: Any, numel: int, faults: FaultPlan):
@@ -47,7 +47,7 @@ class P2PAverager:
         self.numel, self.faults = numel, faults
         self.codec: Codec = get_codec(spec.compression, spec.chunk_size)
         self.spec_hash = spec.spec_hash().hex()
-        self.handler_name = f"hivetrain/avg/1/{self.spec_hash[:32]}"
+        self.handler_name = f"hivetrain/avg/2/{self.spec_hash[:32]}"
         self.max_body = self.codec.encoded_nbytes(numel) + 64
         self.me = ""
         self.current_round = 0
@@ -59,6 +59,12 @@ class P2PAverager:
         self._bytes: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         self._invalid: dict[tuple[int, str, int, str], str] = {}  # (round, group, shard, sender) -> why
         self._excluded: dict[tuple[int, str, int], list[str]] = {}  # (round, group, shard) -> left out by its reducer
+        self._commits: dict[tuple[int, str, int], list[str]] = {}
+        self._verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]] = {}
+        self._void_ranges: list[tuple[int, int]] = []
+        self._part_log: list[tuple[str, dict[str, Any], bytes]] = []
+        self._stale: dict[int, dict[str, str]] = {}  # round -> members that sent old parts in it -> why
+        self._active: tuple[int, str, tuple[str, ...], tuple[int, ...]] | None = None
         self._banned: dict[str, str] = {}  # peers we caught sending garbage -> why; never grouped with again
         self._round_excluded: dict[str, str] = {}
         self._ef = ErrorFeedback(numel) if spec.error_feedback and spec.compression == "int8" else None
@@ -99,7 +105,8 @@ class P2PAverager:
             raise
         sent, received = self._bytes[round_]
         return AverageResult(averaged, order, sent, received,
-                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1}, self._round_excluded)
+                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1}, self._round_excluded,
+                             tuple(self._void_ranges))
 
     def _enter_round(self, round_: int) -> None:
         self.current_round = round_
@@ -110,6 +117,13 @@ class P2PAverager:
             del self._invalid[ikey]
         for ekey in [k for k in self._excluded if k[0] < round_]:
             del self._excluded[ekey]
+        for ckey in [k for k in self._commits if k[0] < round_]:
+            del self._commits[ckey]
+        for vkey in [k for k in self._verdicts if k[0] < round_]:
+            del self._verdicts[vkey]
+        for r in [r for r in self._stale if r < round_]:
+            del self._stale[r]
+        self._void_ranges = []
         for r in [r for r in self._views if r < round_ - 1]:
             del self._views[r]
         for r in [r for r in self._bytes if r < round_ - 1]:
@@ -137,6 +151,7 @@ class P2PAverager:
                     return
             except TimeoutError:
                 break
+            await asyncio.sleep(min(1.0, max(0.0, budget_end - time.monotonic())))  # refused: not a tight loop
         # not fatal: the peers we find still learn of us when we ask them for their view
         logger.warning("round %d: could not publish our ready record to the DHT", round_)
 
@@ -171,6 +186,7 @@ class P2PAverager:
                 await asyncio.wait_for(view.changed.wait(), min(POLL, remaining))
             except TimeoutError:
                 pass
+        await self._cap_prefixes(view)
         agree_end = time.monotonic() + max(5.0, spec.matchmaking_timeout / 2)
         while view.decided is None:
             if time.monotonic() > agree_end:
@@ -187,6 +203,30 @@ class P2PAverager:
         if len(view.decided) < spec.min_group_size:
             raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
         return group_order(view.decided, view.round, view.base)
+
+    async def _cap_prefixes(self, view: View) -> None:
+        """Sybil brake: at most ``spec.max_per_prefix`` members per IPv4 /24 or IPv6 /48, as our own
+        connections see them (never what a peer claims). Which ones stay is ranked by a hash of the
+        round, the base state and the peer id, so members that see the same addresses drop the same
+        peers; where they see different ones, exclusions merge during reconciliation."""
+        if self.spec.max_per_prefix <= 0:
+            return
+        members = sorted(view.effective())
+        prefixes = await observed_prefixes(self.dht.p2p, [p for p in members if p != self.me])
+        try:  # ourselves: the address we listen on or announce (None behind a NAT: we cannot see it)
+            async with asyncio.timeout(5.0):
+                prefixes[self.me] = first_prefix(str(a) for a in await self.dht.p2p.get_visible_maddrs())
+        except Exception:
+            prefixes[self.me] = None
+
+        def rank(peer: str) -> bytes:
+            return hashlib.sha256(f"prefix/{view.round}/{view.base}/{peer}".encode()).digest()
+
+        _, dropped = cap_by_prefix(members, prefixes, self.spec.max_per_prefix, rank)
+        for peer, why in dropped.items():  # if we are dropped, the others exclude us during reconciliation
+            view.exclude(peer)
+            if peer != self.me:
+                self._round_excluded[peer] = f"not grouped: {why}"
 
     async def _ask_view(self, view: View, peer: str) -> Reply | None:
         header = self._header("view", view.round, view.base, members=sorted(view.members),
@@ -216,139 +256,6 @@ class P2PAverager:
             fields.update(members=sorted(view.members), excluded=sorted(view.excluded))
         return self._header("view_reply", round_, base, **fields)
 
-    # ---- all-reduce -----------------------------------------------------------------------------
-
-    async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
-        deadline = time.monotonic() + self.spec.allreduce_timeout
-        try:
-            averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
-            self._round_excluded = excluded
-            if self._ef is not None:
-                self._ef.commit()
-            return averaged
-        except RoundFailed as e:
-            if self._ef is not None:
-                self._ef.discard()
-            # The others of the group void this round at the deadline at the latest; leaving earlier
-            # would put us alone into the next round's matchmaking. Void together, start together.
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            raise RoundFailed(str(e), {**self._round_excluded, **e.excluded}) from None
-
-    async def _reduce_scatter_gather(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor,
-                                     deadline: float) -> tuple[torch.Tensor, dict[str, str]]:
-        gh = group_hash(order, round_, base)
-        bounds = shard_bounds(self.numel, len(order))
-        mine = order.index(self.me)
-        loop = asyncio.get_running_loop()
-        parts = await loop.run_in_executor(None, self._encode_parts, delta, bounds)
-        if self.faults.action in ATTACKS and self.faults.active("parts", round_):  # test hook: a Byzantine member
-            parts = [attack_part(self.faults.action, part, delta[s:e], self.codec)
-                     for part, (s, e) in zip(parts, bounds, strict=True)]
-        self._inbox[(round_, gh, "part", mine, self.me)] = parts[mine]
-        self.faults.fire("before_parts", round_)
-        await self._send_all(round_, base, gh, "part", order, {k: parts[k] for k in range(len(order)) if k != mine},
-                             deadline, strict=True)
-        self.faults.fire("after_parts", round_)
-
-        def have(p: str) -> bool:
-            return (round_, gh, "part", mine, p) in self._inbox or (round_, gh, mine, p) in self._invalid
-
-        await self._wait_for(lambda: all(have(p) for p in order), deadline, f"parts of shard {mine}")
-        s, e = bounds[mine]
-        result, excluded = await loop.run_in_executor(None, self._reduce, round_, gh, mine, order, e - s)
-        for peer, why in excluded.items():
-            self._banned[peer] = f"round {round_}: {why}"  # seen by us: never in our groups again
-        self._round_excluded.update(excluded)
-        self._inbox[(round_, gh, "result", mine, self.me)] = result
-        self._excluded[(round_, gh, mine)] = sorted(excluded)
-        self.faults.fire("before_results", round_)
-        await self._send_all(round_, base, gh, "result", order, {k: result for k in range(len(order)) if k != mine},
-                             deadline, strict=False, excluded=sorted(excluded))
-
-        await self._wait_for(lambda: all((round_, gh, "result", k, p) in self._inbox for k, p in enumerate(order)),
-                             deadline, "results of every shard")
-        averaged = torch.empty(self.numel, dtype=torch.float32)  # (n,) fp32
-        for k, (s, e) in enumerate(bounds):
-            try:
-                averaged[s:e] = self.codec.decode(self._inbox[(round_, gh, "result", k, order[k])], e - s)
-            except CodecError as err:
-                raise RoundFailed(f"the result of shard {k} from {order[k]} is malformed: {err}") from None
-        reported = {p: f"left out of shard {k} by {order[k]}" for k in range(len(order))
-                    for p in self._excluded.get((round_, gh, k), [])}
-        return averaged, {**reported, **excluded}
-
-    def _encode_parts(self, delta: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bytes]:
-        """Encodes our slice for every shard (with error feedback if the run uses it); worker thread."""
-        source = self._ef.compensate(delta) if self._ef is not None else delta  # (n,) fp32
-        parts = [self.codec.encode(source[s:e].contiguous()) for s, e in bounds]
-        if self._ef is not None:
-            sent = torch.cat([self.codec.decode(part, e - s) for part, (s, e) in zip(parts, bounds, strict=True)])
-            self._ef.sent(source, sent)
-        return parts
-
-    def _reduce(self, round_: int, gh: str, shard: int, order: tuple[str, ...],
-                numel: int) -> tuple[bytes, dict[str, str]]:
-        """Validates every member's part of our shard, leaves out (and names) the invalid ones, and
-        combines the rest with the run's aggregation; runs in a worker thread."""
-        decoded: dict[str, torch.Tensor] = {}
-        excluded: dict[str, str] = {}
-        for peer in order:
-            if (round_, gh, shard, peer) in self._invalid:
-                excluded[peer] = self._invalid[(round_, gh, shard, peer)]
-                continue
-            try:
-                decoded[peer] = self.codec.decode(self._inbox[(round_, gh, "part", shard, peer)], numel)
-            except CodecError as err:
-                excluded[peer] = f"invalid part: {err}"[:200]
-        if self.spec.aggregation == "robust":
-            peers = list(decoded)
-            for i in outliers([decoded[p] for p in peers]):
-                excluded[peers[i]] = f"part norm more than {OUTLIER:g}x the group median"
-                del decoded[peers[i]]
-        valid = list(decoded.values())
-        if 2 * len(valid) <= len(order) and excluded:
-            raise RoundFailed(f"only {len(valid)} of {len(order)} parts of shard {shard} are valid", excluded)
-        return self.codec.encode(aggregate(valid, self.spec.aggregation)), excluded
-
-    async def _send_all(self, round_: int, base: str, gh: str, kind: str, order: tuple[str, ...],
-                        bodies: dict[int, bytes], deadline: float, strict: bool, **extra: Any) -> None:
-        """Sends ``bodies[k]`` to member k (parts: shard k is theirs; results: shard = mine)."""
-        mine = order.index(self.me)
-
-        async def send(k: int) -> None:
-            shard = k if kind == "part" else mine
-            header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order), **extra)
-            for attempt in range(SEND_ATTEMPTS):
-                try:
-                    ack, _ = await self._request(order[k], header, bodies[k], round_, deadline)
-                except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
-                    if attempt + 1 == SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
-                        raise RoundFailed(f"could not deliver our {kind} to {order[k]}: {e!r}"[:300]) from None
-                    await asyncio.sleep(0.2 * (attempt + 1))
-                    continue
-                if ack.get("ok", False) or ack.get("reason") == DUPLICATE:  # a retry of a delivered message
-                    return
-                raise RoundFailed(f"{order[k]} refused our {kind}: {ack.get('reason', '')}")
-
-        results = await asyncio.gather(*(send(k) for k in bodies), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and strict:
-            raise RoundFailed(f"could not deliver {kind}s: {errors[0]!r}"[:300])
-        for err in errors:  # a member that cannot get our result voids its own round; we can still finish
-            logger.info("round %d: %s delivery failed: %r", round_, kind, err)
-
-    async def _wait_for(self, ready: Any, deadline: float, what: str) -> None:
-        assert self._arrived is not None
-        while not ready():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RoundFailed(f"deadline passed waiting for the {what}")
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except TimeoutError:
-                pass
-
     # ---- transport ------------------------------------------------------------------------------
 
     def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
@@ -375,6 +282,9 @@ class P2PAverager:
             self._bytes[round_][1] += len(body) + 64
             if header["type"] == "view":
                 reply = self._on_view(sender, header)
+            elif header["type"] == "audit":
+                self._on_verdict(sender, header)
+                reply = self._header("ack", round_, header["base"], ok=True, reason="")
             elif header["type"] in ("part", "result"):
                 self._on_payload(sender, header, body)
                 reply = self._header("ack", round_, header["base"], ok=True, reason="")
@@ -393,6 +303,14 @@ class P2PAverager:
 
     def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         round_, gh, kind, shard, size = header["round"], header["group"], header["type"], header["shard"], header["size"]
+        if round_ < self.current_round:
+            # An honest member of our current group finished that round (with every delivery) before it
+            # could join this one: an old part from it now is a replay. Its part is left out this round.
+            if kind == "part":
+                self._stale.setdefault(self.current_round, {})[sender] = (
+                    f"replayed its part of round {round_} in round {self.current_round}")
+                self._mark_stale(self.current_round)
+            raise ProtocolError(f"round {round_} is over")
         if not 1 <= size or shard >= size:
             raise ProtocolError("shard index out of range")
         seen = self._groups_seen[round_]
@@ -409,6 +327,7 @@ class P2PAverager:
             raise ProtocolError(why)
         if kind == "result":
             self._excluded[(round_, gh, shard)] = header["excluded"]
+            self._commits[(round_, gh, shard)] = header["parts"]
         key = (round_, gh, kind, shard, sender)
         if key in self._inbox:
             if self._inbox[key] == body:
@@ -416,5 +335,20 @@ class P2PAverager:
             raise ProtocolError(f"a different {kind} for the same shard")
         seen.add(gh)
         self._inbox[key] = body
+        assert self._arrived is not None
+        self._arrived.set()
+
+    def _on_verdict(self, sender: str, header: dict[str, Any]) -> None:
+        """Stores an auditor's verdict; whether ``sender`` audits that shard is checked when it is read."""
+        round_, gh, shard = header["round"], header["group"], header["shard"]
+        if shard >= header["size"]:
+            raise ProtocolError("shard index out of range")
+        if gh not in self._groups_seen[round_]:
+            raise ProtocolError("verdict for a group we have no messages of")
+        key = (round_, gh, shard, sender)
+        verdict = (header["ok"], header["result"], header["reason"])
+        if key in self._verdicts:
+            raise ProtocolError(DUPLICATE if self._verdicts[key] == verdict else "a different verdict for the same shard")
+        self._verdicts[key] = verdict
         assert self._arrived is not None
         self._arrived.set()

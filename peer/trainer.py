@@ -186,7 +186,7 @@ class Trainer:
                           excluded=e.excluded)
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
-            self.outer.apply(result.averaged, self.model)
+            self.outer.apply(result.averaged, self.model, keep=result.void_ranges)
             self.totals["rounds_completed"] += 1
             self.totals["bytes_sent"] += result.bytes_sent
             self.totals["bytes_received"] += result.bytes_received
@@ -194,7 +194,7 @@ class Trainer:
                 self.numel, len(result.group))
             record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
                           bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                          excluded=result.excluded, **result.stats)
+                          excluded=result.excluded, void_shards=[list(r) for r in result.void_ranges], **result.stats)
         self.totals["inner_steps"] += self.spec.sync_every
         record["allreduce_s"] = time.perf_counter() - t1
         eval_loss = self._eval()

@@ -24,6 +24,7 @@ PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 16 * 1024
 MAX_GROUP = 64
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^(?:[0-9a-f]{32})?$")
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58
 
 
@@ -39,6 +40,10 @@ def _int(v: Any, lo: int = 0, hi: int = 2**62) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def _digests(v: Any) -> bool:  # per member: a part digest (peer/reduce.py), or "" where none arrived
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in v)
+
+
 def _peers(v: Any) -> bool:
     return (isinstance(v, list) and len(v) <= MAX_GROUP
             and all(isinstance(p, str) and _PEER_ID.fullmatch(p) for p in v))
@@ -52,9 +57,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # reduce-scatter: the sender's encoded slice for shard ``shard``
     "part": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
              "size": lambda v: _int(v, 1, MAX_GROUP)},
-    # all-gather: the reducer's re-encoded result for shard ``shard``
+    # all-gather: the reducer's re-encoded result for shard ``shard``, with the digests of the parts it got
     "result": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers},
+               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers, "parts": _digests},
+    # audit: the verdict of shard ``shard``'s auditor on the result with SHA-256 ``result``
+    "audit": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
+              "size": lambda v: _int(v, 1, MAX_GROUP), "ok": lambda v: isinstance(v, bool), "result": _hex64,
+              "reason": lambda v: isinstance(v, str) and len(v) < 300},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
     "state_req": {**_COMMON, "index": lambda v: _int(v, -1, 2**31)},
     "state_resp": {**_COMMON, "index": lambda v: _int(v, -1, 2**31), "ok": lambda v: isinstance(v, bool),

@@ -24,7 +24,8 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
         "view": {"members": [PEER, PEER2], "excluded": []},
         "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False},
         "part": {"group": HEX, "shard": 1, "size": 2},
-        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": []},
+        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": [], "parts": [HEX[:32], ""]},
+        "audit": {"group": HEX, "shard": 0, "size": 2, "ok": False, "result": HEX, "reason": "wrong aggregate"},
         "ack": {"ok": True, "reason": ""},
     }
     return {**base, **extra[kind], **over}
@@ -50,7 +51,7 @@ def _read(data: bytes, timeout: float = 5.0, max_body: int = MAX_BODY, eof: bool
 # ---- round trips ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["view", "view_reply", "part", "result", "ack"])
+@pytest.mark.parametrize("kind", ["view", "view_reply", "part", "result", "audit", "ack"])
 def test_round_trip_every_type(kind: str) -> None:
     header = _header(kind)
     body = bytes(range(256)) * 3 if kind in ("part", "result") else b""
@@ -158,6 +159,14 @@ def test_unhashable_type_rejected(header: Any) -> None:
     _header("view", members=PEER),
     _header("view_reply", decided=1),
     _header("ack", reason="x" * 300),
+    _header("result", parts=[HEX]),  # a digest is 32 hex characters or empty
+    _header("result", parts=[HEX[:31]]),
+    _header("result", parts=[HEX[:32].upper()]),
+    _header("result", parts=[""] * (MAX_GROUP + 1)),
+    _header("result", parts=HEX[:32]),
+    _header("audit", ok=1),
+    _header("audit", result=HEX[:32]),
+    _header("audit", reason="x" * 300),
 ])
 def test_bad_header_fields_rejected(header: dict[str, Any]) -> None:
     with pytest.raises(ProtocolError):

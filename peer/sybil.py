@@ -1,0 +1,246 @@
+"""Two Sybil brakes for group formation and averaging: a per-network-prefix cap and probation.
+
+**Prefix cap.** Peers seen at addresses in one IPv4 /24 or IPv6 /48 count as one operator; a group
+keeps at most ``cap`` of them (``cap_by_prefix``). The address is the remote end of the libp2p
+connection our own daemon holds (``observed_prefixes``), not anything the peer announces, so a
+peer cannot choose it short of really sending from another network. Loopback, private (RFC 1918,
+RFC 6598 shared space, fc00::/7), link-local and unspecified addresses are exempt: tests and LAN
+setups use them, and a remote attacker cannot make a public peer see it at such an address.
+Relayed (``/p2p-circuit``) and non-IP addresses are exempt too, see ``prefix_of``.
+
+**Probation.** A peer we have never completed an all-reduce with gets weight 0 in the rounds we
+reduce for (``Probation.weights``), once we have a history of our own: it must first take part in
+one complete round without influencing the average. A node without history trusts everyone.
+
+What they do NOT stop:
+
+- An operator with addresses in many /24s or /48s (cloud VMs in several regions, a botnet, free
+  IPv6 tunnel brokers that hand out a /48 per tunnel) gets ``cap`` seats per prefix; the cap only
+  raises the price of a Sybil swarm from "one machine" to "many networks".
+- Relayed connections are not counted: an attacker who makes us reach its identities through a
+  ``/p2p-circuit`` relay escapes the cap (the relay's IP is not the peer's, so it cannot be used
+  without punishing every honest peer behind the same relay). Probation still applies to them.
+- Probation lasts one completed round. A patient attacker sits through it with every identity and
+  is trusted from then on; it delays and dilutes, it does not vet. Peers we forget (beyond
+  ``MAX_KNOWN``) start over, which costs honest peers one round, not safety.
+- Both brakes are local views. Two members may observe one peer at different addresses (LAN and
+  public), and have different histories: the cap's choice is deterministic only given the same
+  prefixes, so its drops belong in the monotone ``excluded`` set that views reconcile over.
+- The daemon call is fail-open: if it fails or times out, every peer's prefix is unknown (None)
+  and nobody is capped for that round.
+- Neither brake judges the content of a contribution; robust aggregation does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+IPV4_PREFIX = 24  # one typical customer / cloud allocation; a NAT's neighbours share it
+IPV6_PREFIX = 48  # the usual site allocation (RFC 6177); a /64 costs an attacker nothing
+OBSERVE_TIMEOUT = 5.0  # seconds for the daemon's connection list; it is local, so this is generous
+MAX_MADDR_CHARS = 1024  # longer strings are not addresses we parse (untrusted input)
+MAX_ADDRS_PER_PEER = 16  # connections listed per peer: bounds work if a peer opens many
+COUNT_LOOPBACK = False  # tests only (hidden --count-loopback-prefix): loopback counts as one prefix
+MAX_KNOWN = 10_000  # peers remembered by Probation: ~200 bytes each, ~2 MB; far more than a run has
+
+_EXEMPT_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",  # RFC 1918
+        "100.64.0.0/10",  # RFC 6598 carrier-grade NAT: only visible inside one ISP
+        "fc00::/7",  # unique local IPv6
+    )
+)
+# Not ``ip.is_private``: before Python 3.13 it also covers the documentation ranges (203.0.113.0/24,
+# 2001:db8::/32, ...), which are as public as any for this purpose and which the tests use.
+
+
+def _ip_of(addr: str | Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a direct ``/ip4`` or ``/ip6`` multiaddr, or None (relayed, non-IP, malformed)."""
+    try:
+        text = str(addr) if isinstance(addr, Multiaddr) else addr
+        if not isinstance(text, str) or len(text) > MAX_MADDR_CHARS:
+            return None
+        Multiaddr(text)  # the whole address must be well formed, not only its first part
+    except Exception:  # multiaddr raises ValueError, TypeError, KeyError, ... on hostile input
+        return None
+    parts = text.split("/")
+    if len(parts) < 3 or parts[0] != "" or parts[1] not in ("ip4", "ip6") or "p2p-circuit" in parts:
+        return None
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return None
+    if parts[1] == "ip4" and ip.version != 4 or parts[1] == "ip6" and ip.version != 6:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        # an IPv4 host seen through a mapped or 6to4 address is still that IPv4 host
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is not None:
+            return embedded
+    return ip
+
+
+def prefix_of(addr: str | Multiaddr) -> str | None:
+    """The network prefix that counts as one operator, e.g. "203.0.113.0/24" or "2001:db8::/48".
+
+    None, meaning "exempt from the cap", for loopback, private, link-local and unspecified
+    addresses (see the module docstring), for non-IP addresses (``/dns``, ``/unix``, ...), and
+    for malformed input, which never raises: a peer's addresses are untrusted.
+
+    ``/p2p-circuit`` addresses are exempt as well. Their IP is the relay's, not the peer's:
+    counting it would put every peer behind one relay under one "operator" and cap honest NATed
+    peers for sharing a relay, while telling us nothing about who runs the relayed peer. The cost
+    is that relaying is a way around the cap (stated in the module docstring).
+    """
+    ip = _ip_of(addr)
+    if ip is not None and ip.is_loopback and COUNT_LOOPBACK:
+        return ipaddress.ip_network(f"{ip}/8", strict=False).compressed
+    if ip is None or ip.is_loopback or ip.is_link_local or ip.is_unspecified:
+        return None
+    if any(ip in net for net in _EXEMPT_NETWORKS):
+        return None
+    bits = IPV4_PREFIX if ip.version == 4 else IPV6_PREFIX
+    return ipaddress.ip_network(f"{ip}/{bits}", strict=False).compressed
+
+
+def cap_by_prefix(
+    members: Sequence[str], prefixes: Mapping[str, str | None], cap: int, rank: Callable[[str], bytes]
+) -> tuple[list[str], dict[str, str]]:
+    """Keeps at most ``cap`` members per prefix; returns (kept, {dropped peer: reason}).
+
+    ``kept`` is in input order. Within a prefix the members with the lowest ``rank`` stay (ties by
+    peer id), so every member that holds the same ``prefixes`` and ``rank`` drops the same peers:
+    the caller's rank hashes (round, base hash, peer id), which no peer can steer by choosing when
+    to join. A member missing from ``prefixes``, or mapped to None, is never capped. ``cap <= 0``
+    disables the cap. Raises ValueError if ``members`` has duplicates. Pure; any thread.
+    """
+    if len(set(members)) != len(members):
+        raise ValueError("cap_by_prefix: members must be distinct peer ids")
+    if cap <= 0:
+        return list(members), {}
+    by_prefix: dict[str, list[str]] = {}
+    for peer in members:
+        prefix = prefixes.get(peer)
+        if prefix is not None:
+            by_prefix.setdefault(prefix, []).append(peer)
+    dropped: dict[str, str] = {}
+    for prefix, peers in by_prefix.items():
+        if len(peers) > cap:
+            for peer in sorted(peers, key=lambda p: (rank(p), p))[cap:]:
+                dropped[peer] = f"{len(peers)} members in {prefix}, at most {cap} per prefix"
+    return [p for p in members if p not in dropped], dropped
+
+
+async def observed_addrs(p2p: Any, peer_ids: Iterable[str]) -> dict[str, list[str]]:
+    """For each requested peer id (base58), the remote multiaddrs of our live connections to it.
+
+    ``p2p`` is a hivemind ``P2P``; its ``list_peers()`` returns the p2pd daemon's connection
+    list, one ``PeerInfo`` per connection whose single address is that connection's remote end
+    as our daemon sees it, e.g. ``/ip4/127.0.0.1/tcp/41235`` for a peer on this machine (an
+    inbound connection shows the peer's ephemeral source port). A peer we are not connected to
+    maps to []. Bounded by ``OBSERVE_TIMEOUT``; a daemon error or timeout is logged at debug
+    level and every peer maps to [] (fail-open, see the module docstring). Call on the loop
+    that owns ``p2p``.
+    """
+    out: dict[str, list[str]] = {p: [] for p in peer_ids}
+    try:
+        async with asyncio.timeout(OBSERVE_TIMEOUT):
+            infos = await p2p.list_peers()
+    except Exception as e:  # any daemon failure (incl. an address it cannot decode): advisory only
+        logger.debug("observed_addrs: list_peers failed: %s: %s", type(e).__name__, e)
+        return out
+    for info in infos:
+        try:
+            peer = info.peer_id.to_base58()
+            addrs = [str(a) for a in info.addrs]
+        except Exception as e:  # a malformed entry costs that entry only
+            logger.debug("observed_addrs: skipping a peer entry: %s: %s", type(e).__name__, e)
+            continue
+        seen = out.get(peer)
+        if seen is None:
+            continue
+        for addr in addrs:
+            if addr not in seen and len(seen) < MAX_ADDRS_PER_PEER:
+                seen.append(addr)
+    return out
+
+
+def first_prefix(addrs: Iterable[str]) -> str | None:
+    """The prefix of the first non-exempt address, or None if all are exempt (or there are none)."""
+    for addr in addrs:
+        prefix = prefix_of(addr)
+        if prefix is not None:
+            return prefix
+    return None
+
+
+async def observed_prefixes(p2p: Any, peer_ids: Iterable[str]) -> dict[str, str | None]:
+    """Maps each requested peer id to ``first_prefix`` of ``observed_addrs``; never raises for
+    a daemon error (unknown peers map to None). Call on the loop that owns ``p2p``."""
+    return {peer: first_prefix(addrs) for peer, addrs in (await observed_addrs(p2p, peer_ids)).items()}
+
+
+class Probation:
+    """Which peers we completed an all-reduce with, and the weights that follow from it.
+
+    A peer is on probation in round r (weight 0.0) if we completed some round before r and never
+    completed a round before r with it; otherwise its weight is 1.0. A node without history (the
+    run's first round, or just joined) trusts everyone. Remembers at most ``max_known`` peers,
+    forgetting the least recently seen (a forgotten peer is on probation again). Not thread-safe:
+    owned by one thread (the DHT loop, which records completed rounds).
+    """
+
+    def __init__(self, max_known: int = MAX_KNOWN):
+        if max_known < 1:
+            raise ValueError(f"max_known must be >= 1, got {max_known}")
+        self.max_known = max_known
+        self._first: dict[str, int] = {}  # peer -> first round completed together; oldest-seen first
+        self._our_first: int | None = None  # first round we completed at all (never evicted)
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    def record_completed(self, round_: int, group: Sequence[str]) -> None:
+        """Records that round ``round_`` completed with ``group`` (ours included, as always)."""
+        if self._our_first is None or round_ < self._our_first:
+            self._our_first = round_
+        for peer in group:
+            first = self._first.pop(peer, round_)  # re-inserted last: most recently seen
+            self._first[peer] = min(first, round_)
+        while len(self._first) > self.max_known:
+            del self._first[next(iter(self._first))]
+
+    def on_probation(self, peer_id: str, round_: int) -> bool:
+        if self._our_first is None or self._our_first >= round_:
+            return False  # no history before this round: we trust everyone
+        first = self._first.get(peer_id)
+        return first is None or first >= round_
+
+    def weight(self, peer_id: str, round_: int) -> float:
+        """0.0 on probation, else 1.0. Our own id is never on probation, since every group we
+        record contains us (``weights`` enforces it regardless)."""
+        return 0.0 if self.on_probation(peer_id, round_) else 1.0
+
+    def weights(self, order: Sequence[str], me: str, round_: int) -> list[float]:
+        """Weights for the group ``order`` in round ``round_``, ours (``me``) always 1.0.
+
+        Falls back to equal weights (all 1.0) when no member other than us has a positive
+        weight. With ``me`` absent from ``order`` (we contribute nothing) the total would be 0
+        and the shard we reduce would be 0/0, voiding it for the whole group; with ``me``
+        present, the shard would be our contribution alone, one peer's word standing for the
+        group's, which is what probation exists to prevent. Probation can only dilute newcomers
+        among established peers; where there are none, it has nothing to offer.
+        """
+        out = [1.0 if p == me else self.weight(p, round_) for p in order]
+        if not any(w > 0 for p, w in zip(order, out, strict=True) if p != me):
+            return [1.0] * len(order)
+        return out
