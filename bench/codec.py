@@ -6,11 +6,14 @@ Usage (from the repository root)::
 
 Each thread count runs in its own subprocess, which calls ``torch.set_num_threads(T)`` before anything
 is imported or compiled. Per size it measures (median of ``--reps`` timed samples, each sample a loop of
-calls lasting at least 50 ms, alternating with a sample of ``x.sum()``; on Linux a pair of samples is
+calls lasting at least 50 ms, alternating with a sample of the read baseline; on Linux a pair of samples is
 retaken while other processes use > 0.15 core):
 
-* ``read``: ``x.sum()`` on float32, the memory read bandwidth R: the memory limit of this run (plus, for
-  reference, torch's float32 -> int8 ``copy_``, a streaming op with the same traffic as encode);
+* ``read``: ``sum()`` of a float32 buffer of max(numel, 100M) elements (400 MB, far beyond any
+  last-level cache, so that R is the *memory's* bandwidth; at 10M elements a 40 MB buffer would be
+  read partly from the 32 MB L3 of the test EPYC and inflate R up to 2.6x with 2 threads), the memory
+  read bandwidth R: the memory limit of this run (plus, for reference, torch's float32 -> int8
+  ``copy_``, a streaming op with the same traffic as encode);
 * ``encode``: :func:`hivetrain.kernels.fast_cpu.encode_into` into a preallocated payload (the public
   ``int8.encode``, which returns a fresh ``bytes``, is reported apart as ``encode_bytes``);
 * ``decode_accumulate``: public ``int8.decode_accumulate(payload_bytes, n, acc)`` into a preallocated acc;
@@ -23,7 +26,7 @@ peers' inputs). The memory limit of an op is R scaled by the DRAM bytes it must 
 decode-accumulate read 4 + 1 B per element, so their limit is ``R * 4 / 5``; reduce4 reads
 4*5 + 4 (zero fill) + 4*5 + 5 = 49 B per element for 16 B of input, so its limit is ``R * 16 / 49``.
 ``ratio_to_memory_limit`` = GB/s / that limit, as the median over the pairs of samples (so a change of
-background load between samples of an op and of ``x.sum()`` cannot distort it much). ``--json`` prints one JSON object on the last line.
+background load between samples of an op and of the read baseline cannot distort it much). ``--json`` prints one JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+READ_MIN_NUMEL = 100_000_000  # the read baseline streams at least this many float32 (see the module doc)
 LIMIT_FACTOR = {"encode": 4 / 5, "decode_accumulate": 4 / 5, "reduce4": 16 / 49, "encode_bytes": 4 / 5}
 MAX_OTHER_CORES = 0.15  # a sample is valid when other processes used less than this many cores meanwhile
 
@@ -119,9 +123,11 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float, tries: int
     for numel in sizes:
         timings, bad = _measure_size(numel, reps, window, tries)
         noisy += [f"{name}@{numel}" for name in bad]
-        read = numel * 4 / statistics.median(t_read for _, t_read, _ in timings.values()) / 1e9
+        read_numel = max(numel, READ_MIN_NUMEL)
+        read = read_numel * 4 / statistics.median(t_read for _, t_read, _ in timings.values()) / 1e9
         limits[str(numel)] = {"read": read, **{op: read * f for op, f in LIMIT_FACTOR.items()}}
         for op, (t_op, _, read_over_op) in timings.items():
+            read_over_op *= numel / read_numel  # per element: t_read covers read_numel elements
             gbps = (4 if op == "reduce4" else 1) * numel * 4 / t_op / 1e9
             if op == "convert_i8":
                 limits[str(numel)]["torch_convert_f32_to_i8"] = gbps
@@ -136,7 +142,7 @@ def _worker(threads: int, sizes: list[int], reps: int, window: float, tries: int
 
 
 def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
-    """Per op on ``numel`` elements: (seconds per call, seconds per x.sum() in the paired samples,
+    """Per op on ``numel`` elements: (seconds per call, seconds per read-baseline call in the paired samples,
     median t_read / t_op), and the ops whose samples stayed noisy."""
     import torch
 
@@ -147,6 +153,7 @@ def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dic
     g = torch.Generator().manual_seed(numel)
     xs = [torch.randn(numel, generator=g) * (1 + 0.25 * i) for i in range(4)]  # (numel,) float32 each
     x = xs[0]
+    big = x if numel >= READ_MIN_NUMEL else torch.randn(READ_MIN_NUMEL, generator=g)  # (>= 100M,) the read baseline
     nbytes = codec.encoded_nbytes(numel)
     outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(5)]  # preallocated, pre-faulted
     acc = torch.zeros(numel)
@@ -178,7 +185,7 @@ def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dic
     timings: dict[str, tuple[float, float, float]] = {}
     noisy = []
     for name, fn in ops.items():
-        t_op, t_read, ratio, bad = _time_paired(fn, lambda: x.sum(), reps, window, tries)
+        t_op, t_read, ratio, bad = _time_paired(fn, lambda: big.sum(), reps, window, tries)
         timings[name] = (t_op, t_read, ratio)
         if bad:
             noisy.append(name)
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     all_rows = [r for run in runs for r in run["results"]]
     print(f"int8 codec benchmark: path={runs[0]['active_path']} ({runs[0]['build']})")
     print(f"cpu: {_cpu_name()}, {os.cpu_count()} logical CPUs; median of {reps} samples; GB/s = fp32-equivalent")
-    print("\nmemory read bandwidth R (x.sum()), GB/s [and torch int8.copy_(f32), which streams like encode]:")
+    print("\nmemory read bandwidth R (sum() of >= 100M float32), GB/s [and torch int8.copy_(f32), which streams like encode]:")
     for run in runs:
         print(f"  T={run['threads']}: " + ", ".join(f"{_fmt_n(int(n))}: {v['read']:.1f} [{v['torch_convert_f32_to_i8']:.1f}]"
                                                   for n, v in run["limits"].items()))

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import logging
 import os
 import platform
@@ -76,10 +75,11 @@ from .errors import CodecError
 log = logging.getLogger(__name__)
 
 NAME = "c"  # the value of int8.ACTIVE_PATH when this path is active
-NT_MIN_NUMEL = 1 << 23  # non-temporal code stores from 8M elements (8 MB of codes): beyond the L2/L3 share
+NT_MIN_NUMEL = 1 << 24  # non-temporal code stores from 16M elements (64 MB in, 16 MB of codes): beyond the
+# L3 (32 MB on the test EPYC); at 10M elements, cached stores measured 0.88 of the limit against 0.74
 MIN_NUMEL_PER_THREAD = 1 << 20  # below ~4 MB per thread, handing work to a thread costs more than it saves
 BLOCK_NUMEL = 1 << 21  # at most ~8 MB of float32 per scheduling block: small enough to rebalance, ~ms each
-_ABI = 1
+_ABI = 2
 
 _C_SOURCE = r"""
 /* hivetrain int8 codec kernels. Compile with -ffp-contract=off and without -ffast-math. */
@@ -90,7 +90,7 @@ _C_SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-#define HV_ABI 1
+#define HV_ABI 2
 #define HV_MAX_ABS_BITS 0x7E967699u /* bit pattern of (float)1e38: |x| above it, Inf and NaN are invalid */
 #define HV_GROUP 64                 /* elements per step: one 64-byte line of codes */
 
@@ -267,6 +267,31 @@ void hv_dequant(const int8_t *q, int64_t numel, int64_t chunk, int64_t c0, int64
         hv_deq_run(q + s + i, out + s + i, len - i, sc, of, accumulate, w);
     }
 }
+
+/* Dynamic scheduling: every thread calls once with the same counter and takes blocks of per_block
+   chunks until none are left (one call per thread: no Python, no GIL between blocks). */
+int64_t hv_encode_dyn(const float *x, int64_t numel, int64_t chunk, int64_t n_chunks, int64_t per_block,
+                      int64_t *next, float *scales, float *offsets, float *his, int8_t *codes, int nt) {
+    int64_t bad = -1;
+    for (;;) {
+        int64_t c0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * per_block;
+        if (c0 >= n_chunks) break;
+        int64_t c1 = c0 + per_block < n_chunks ? c0 + per_block : n_chunks;
+        int64_t r = hv_encode(x, numel, chunk, c0, c1, scales, offsets, his, codes, nt);
+        if (r >= 0 && (bad < 0 || r < bad)) bad = r;
+    }
+    return bad;
+}
+
+void hv_dequant_dyn(const int8_t *q, int64_t numel, int64_t chunk, int64_t n_chunks, int64_t per_block,
+                    int64_t *next, const float *scales, const float *offsets, float *out, int accumulate, float w) {
+    for (;;) {
+        int64_t c0 = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * per_block;
+        if (c0 >= n_chunks) break;
+        int64_t c1 = c0 + per_block < n_chunks ? c0 + per_block : n_chunks;
+        hv_dequant(q, numel, chunk, c0, c1, scales, offsets, out, accumulate, w);
+    }
+}
 """
 
 _BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno")
@@ -387,6 +412,10 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.hv_encode.argtypes = (ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int)
     lib.hv_dequant.restype = None
     lib.hv_dequant.argtypes = (ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_float)
+    lib.hv_encode_dyn.restype = i64
+    lib.hv_encode_dyn.argtypes = (ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int)
+    lib.hv_dequant_dyn.restype = None
+    lib.hv_dequant_dyn.argtypes = (ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_float)
     if lib.hv_abi() != _ABI:
         raise OSError(f"kernel ABI {lib.hv_abi()} != {_ABI}")
     return lib
@@ -483,31 +512,26 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _run_split(fn: Callable[[int, int], int | None], n_chunks: int, numel: int) -> list[int | None]:
-    """Run ``fn(c0, c1)`` over chunks [0, n_chunks) on ``T <= torch.get_num_threads()`` threads.
+def _run_split(fn: Callable[[int, int, int], int | None], n_chunks: int, numel: int) -> list[int | None]:
+    """Run ``fn(n_threads, per_block, counter_address)`` once on each of ``T <= torch.get_num_threads()``
+    threads; the C side takes blocks of ``per_block`` chunks from the shared counter until none are left.
 
-    The threads take blocks of chunks from a shared counter (dynamic scheduling) rather than one
-    fixed range each: on a volunteer's machine another process often holds a core for a few ms,
-    and with fixed ranges the whole call then waits for the slowed thread (measured on the 2-core
-    test machine: 2-thread results varied 0.67-0.90 of the memory limit with fixed halves).
-    Returns every call's result (order unspecified).
+    Dynamic scheduling: on a volunteer's machine another process often holds a core for a few ms,
+    and with one fixed range per thread the whole call then waits for the slowed thread (2-thread
+    results on the 2-core test machine varied 0.67-0.90 of the memory limit with fixed halves).
+    The blocks are taken inside C (an atomic counter), not in Python: handing blocks out from Python
+    threads cost up to half the speed at 10M elements (GIL hand-overs between blocks).
+    Returns every thread's result (order unspecified).
     """
     t = max(1, min(torch.get_num_threads(), n_chunks, numel // MIN_NUMEL_PER_THREAD))
+    counter = ctypes.c_int64(0)
+    addr = ctypes.addressof(counter)
     if t == 1:
-        return [fn(0, n_chunks)]
+        return [fn(1, n_chunks, addr)]
     per_block = max(1, min(-(-n_chunks // (4 * t)), -(-n_chunks * BLOCK_NUMEL // numel)))  # chunks per block
-    counter = itertools.count()  # next() on a count is atomic under the GIL; fn releases the GIL
-
-    def worker() -> list[int | None]:
-        out: list[int | None] = []
-        while (c0 := next(counter) * per_block) < n_chunks:
-            out.append(fn(c0, min(n_chunks, c0 + per_block)))
-        return out
-
-    futures = [_get_pool(t - 1).submit(worker) for _ in range(t - 1)]
-    results = worker()  # the calling thread works too
-    for f in futures:
-        results += f.result()
+    futures = [_get_pool(t - 1).submit(fn, t, per_block, addr) for _ in range(t - 1)]
+    results = [fn(t, per_block, addr)]  # the calling thread works too
+    results += [f.result() for f in futures]
     return results
 
 
@@ -551,8 +575,9 @@ def _encode_at(x: torch.Tensor, addr: int, chunk_size: int) -> None:
     his = torch.empty(n, dtype=torch.float32)  # (n,) chunk maxima
     xp, hp, nt = x.data_ptr(), his.data_ptr(), int(numel >= NT_MIN_NUMEL)
 
-    def run(c0: int, c1: int) -> int:
-        return int(lib.hv_encode(xp, numel, chunk_size, c0, c1, addr, addr + 4 * n, hp, addr + 8 * n, nt))
+    def run(_: int, per_block: int, counter: int) -> int:
+        return int(lib.hv_encode_dyn(xp, numel, chunk_size, n, per_block, counter, addr, addr + 4 * n, hp,
+                                     addr + 8 * n, nt))
 
     bad = [b for b in _run_split(run, n, numel) if b is not None and b >= 0]
     if bad:
@@ -634,8 +659,8 @@ def _dequant(payload: object, numel: int, chunk_size: int, out: torch.Tensor, ac
     w = ctypes.c_float(weight)  # float32(weight), as torch's ``mul_(python_float)`` on a float32 tensor
     acc = int(accumulate)
 
-    def run(c0: int, c1: int) -> None:
-        lib.hv_dequant(qp, numel, chunk_size, c0, c1, sp, op, outp, acc, w)
+    def run(_: int, per_block: int, counter: int) -> None:
+        lib.hv_dequant_dyn(qp, numel, chunk_size, n, per_block, counter, sp, op, outp, acc, w)
 
     _run_split(run, n, numel)
 
