@@ -32,7 +32,8 @@ from hivetrain.kernels.int8 import Codec
 from .averager import group_hash, shard_bounds
 from .errors import RoundFailed
 from .faults import ATTACKS, FaultPlan, attack_part, attack_result
-from .reduce import WRONG_AGGREGATE, audit_shard, reduce_shard, result_hash
+from .reduce import WRONG_AGGREGATE, audit_shard, probation_claims, reduce_shard, result_hash
+from .sybil import Probation
 
 logger = logging.getLogger(__name__)
 SEND_ATTEMPTS = 3  # deliveries of one message, within the all-reduce deadline
@@ -51,6 +52,8 @@ class AllReduce:
     _invalid: dict[tuple[int, str, int, str], str]
     _excluded: dict[tuple[int, str, int], list[str]]
     _commits: dict[tuple[int, str, int], list[str]]  # (round, group, shard) -> the reducer's part digests
+    _claims: dict[tuple[int, str, int], list[str]]  # (round, group, shard) -> the reducer's probation claims
+    _probation: Probation
     _verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]]  # (round, group, shard, auditor) -> verdict
     _banned: dict[str, str]
     _round_excluded: dict[str, str]
@@ -73,6 +76,7 @@ class AllReduce:
         try:
             averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
             self._round_excluded = excluded
+            self._probation.record_completed(round_, order)
             if self._ef is not None:
                 self._ef.commit()
             return averaged
@@ -116,8 +120,9 @@ class AllReduce:
         await self._wait_for(lambda: self._have_parts(round_, gh, mine, order), deadline, f"parts of shard {mine}")
         s, e = bounds[mine]
         received, invalid = self._parts_of(round_, gh, mine, order)
+        claims = probation_claims(order, {p for p in order if p != self.me and self._probation.on_probation(p, round_)})
         shard = await loop.run_in_executor(None, reduce_shard, received, invalid, order, e - s, self.codec,
-                                           self.spec.aggregation)
+                                           self.spec.aggregation, claims)
         for peer, why in shard.excluded.items():
             self._banned[peer] = f"round {round_}: {why}"  # seen by us: never in our groups again
         self._round_excluded.update(shard.excluded)
@@ -127,9 +132,11 @@ class AllReduce:
         self._inbox[(round_, gh, "result", mine, self.me)] = result
         self._excluded[(round_, gh, mine)] = sorted(shard.excluded)
         self._commits[(round_, gh, mine)] = shard.digests
+        self._claims[(round_, gh, mine)] = shard.probation
         self.faults.fire("before_results", round_)
         await self._send_all(round_, base, gh, "result", order, [(k, mine, result) for k in range(n) if k != mine],
-                             deadline, strict=False, excluded=sorted(shard.excluded), parts=shard.digests)
+                             deadline, strict=False, excluded=sorted(shard.excluded), parts=shard.digests,
+                             probation=shard.probation)
         await self._wait_for(lambda: all((round_, gh, "result", k, p) in self._inbox for k, p in enumerate(order)),
                              deadline, "results of every shard")
         if audited is not None:
@@ -185,8 +192,10 @@ class AllReduce:
             why: str | None = f"unverifiable: no part from {', '.join(missing)} reached the auditor"[:300]
         else:
             commits = self._commits.get((round_, gh, shard), [])
+            claims = self._claims.get((round_, gh, shard), [])
             why = await asyncio.get_running_loop().run_in_executor(
-                None, audit_shard, result, commits, received, invalid, order, e - s, self.codec, self.spec.aggregation)
+                None, audit_shard, result, commits, received, invalid, order, e - s, self.codec, self.spec.aggregation,
+                claims)
         if why is not None:
             logger.warning("round %d: audit of shard %d (reducer %s): %s", round_, shard, order[shard], why)
             if why.startswith(WRONG_AGGREGATE):
@@ -221,8 +230,10 @@ class AllReduce:
                 raise RoundFailed(f"the result of shard {k} from {order[k]} is malformed: {err}") from None
         if len(self._void_ranges) == n:
             raise RoundFailed("every shard of the round failed its audit", void)
-        reported = {p: f"left out of shard {k} by {order[k]}" for k in range(n)
-                    for p in self._excluded.get((round_, gh, k), [])}
+        reported = {p: f"on probation (weight 0) in shard {k}" for k in range(n)
+                    for p in self._claims.get((round_, gh, k), [])}
+        reported.update({p: f"left out of shard {k} by {order[k]}" for k in range(n)
+                         for p in self._excluded.get((round_, gh, k), [])})
         return averaged, {**reported, **void, **self._round_excluded}
 
     def _encode_parts(self, delta: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bytes]:

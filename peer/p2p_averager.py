@@ -30,7 +30,7 @@ from .averager import AverageResult, group_order, shard_bounds
 from .errors import RoundFailed
 from .faults import FaultPlan
 from .matchmaking import Reply, View, reconcile_step
-from .sybil import cap_by_prefix, first_prefix, observed_prefixes
+from .sybil import Probation, cap_by_prefix, first_prefix, observed_prefixes
 from .wire import ProtocolError, read_frame
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class P2PAverager(AllReduce):
         self._invalid: dict[tuple[int, str, int, str], str] = {}  # (round, group, shard, sender) -> why
         self._excluded: dict[tuple[int, str, int], list[str]] = {}  # (round, group, shard) -> left out by its reducer
         self._commits: dict[tuple[int, str, int], list[str]] = {}
+        self._claims: dict[tuple[int, str, int], list[str]] = {}
+        self._probation = Probation()
         self._verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]] = {}
         self._void_ranges: list[tuple[int, int]] = []
         self._part_log: list[tuple[str, dict[str, Any], bytes]] = []
@@ -119,6 +121,8 @@ class P2PAverager(AllReduce):
             del self._excluded[ekey]
         for ckey in [k for k in self._commits if k[0] < round_]:
             del self._commits[ckey]
+        for ckey in [k for k in self._claims if k[0] < round_]:
+            del self._claims[ckey]
         for vkey in [k for k in self._verdicts if k[0] < round_]:
             del self._verdicts[vkey]
         for r in [r for r in self._stale if r < round_]:
@@ -328,6 +332,7 @@ class P2PAverager(AllReduce):
         if kind == "result":
             self._excluded[(round_, gh, shard)] = header["excluded"]
             self._commits[(round_, gh, shard)] = header["parts"]
+            self._claims[(round_, gh, shard)] = header["probation"]
         key = (round_, gh, kind, shard, sender)
         if key in self._inbox:
             if self._inbox[key] == body:

@@ -12,6 +12,10 @@ as it received it. The auditor holds its own copies of the same parts, so it can
    one quantization step per chunk away (robust aggregation takes norms and medians whose float
    order may differ between CPUs; a step is the codec's own error, so a cheater gains nothing).
 
+Sybil brake: the reducer gives weight 0 to members it never completed a round with (probation),
+names them in its result, and the auditor recomputes with the same claims (bounded, see
+:func:`audit_shard`).
+
 A reducer that fails (2) returned a wrong aggregate: the shard is void for the round and the auditor
 never groups with it again.
 """
@@ -19,7 +23,7 @@ never groups with it again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,17 +51,28 @@ def result_hash(body: bytes) -> str:
 class Shard:
     result: bytes  # the re-encoded combination of the valid parts
     fp32: torch.Tensor  # (numel,) the combination before re-encoding
-    excluded: dict[str, str]  # member -> why its part was left out
+    excluded: dict[str, str]  # member -> why its part was left out (invalid or an outlier)
     digests: list[str]  # per member in group order: digest of the part as received, "" if none arrived
+    probation: list[str]  # members whose valid parts had weight 0 (Sybil brake, see probation_claims)
+
+
+def probation_claims(order: Sequence[str], candidates: Collection[str]) -> list[str]:
+    """The members the reducer puts on probation: ``candidates`` (peers it never completed a round
+    with), in group order, unless they are half the group or more: probation dilutes newcomers among
+    established peers; without such a majority it would hand the shard to a few (and the auditor
+    refuses claims for half the group or more, so a reducer cannot drop an honest majority)."""
+    claims = [p for p in order if p in candidates]
+    return claims if 2 * len(claims) < len(order) else []
 
 
 def reduce_shard(received: Mapping[str, bytes], invalid: Mapping[str, str], order: Sequence[str], numel: int,
-                 codec: Codec, how: str) -> Shard:
+                 codec: Codec, how: str, probation: Collection[str] = ()) -> Shard:
     """Combines the members' parts of one shard of ``numel`` values.
 
     ``received`` maps members to the parts that arrived with the right length; ``invalid`` maps
-    members whose part was refused on arrival to the reason. Raises RoundFailed if half or more of
-    the parts are invalid (no majority left to combine)."""
+    members whose part was refused on arrival to the reason; valid parts of ``probation`` members
+    get weight 0 (are left out) unless that would leave nothing. Raises RoundFailed if half or more
+    of the parts are invalid (no majority left to combine)."""
     decoded: dict[str, torch.Tensor] = {}
     excluded: dict[str, str] = {}
     for peer in order:
@@ -73,28 +88,38 @@ def reduce_shard(received: Mapping[str, bytes], invalid: Mapping[str, str], orde
         for i in outliers([decoded[p] for p in peers]):
             excluded[peers[i]] = f"part norm more than {OUTLIER:g}x the group median"
             del decoded[peers[i]]
-    valid = list(decoded.values())
-    if 2 * len(valid) <= len(order) and excluded:
-        raise RoundFailed(f"only {len(valid)} of {len(order)} parts are valid", excluded)
-    combined = aggregate(valid, how)  # (numel,) fp32
+    if 2 * len(decoded) <= len(order) and excluded:
+        raise RoundFailed(f"only {len(decoded)} of {len(order)} parts are valid", excluded)
+    on_probation = [p for p in decoded if p in probation]
+    if len(on_probation) < len(decoded):
+        for p in on_probation:
+            del decoded[p]
+    else:
+        on_probation = []
+    combined = aggregate(list(decoded.values()), how)  # (numel,) fp32
     digests = [digest(received[p]) if p in received and p not in invalid else "" for p in order]
-    return Shard(codec.encode(combined), combined, excluded, digests)
+    return Shard(codec.encode(combined), combined, excluded, digests, on_probation)
 
 
 def audit_shard(result: bytes, committed: Sequence[str], received: Mapping[str, bytes],
-                invalid: Mapping[str, str], order: Sequence[str], numel: int, codec: Codec, how: str) -> str | None:
+                invalid: Mapping[str, str], order: Sequence[str], numel: int, codec: Codec, how: str,
+                probation: Sequence[str] = ()) -> str | None:
     """The auditor's check of a reducer's ``result`` for one shard; None if it holds, else why.
 
-    ``committed`` are the reducer's part digests (in group order); ``received``/``invalid`` are the
-    auditor's own copies of the parts, as for :func:`reduce_shard`."""
+    ``committed`` are the reducer's part digests (in group order) and ``probation`` the members it
+    says it gave weight 0; ``received``/``invalid`` are the auditor's own copies of the parts, as for
+    :func:`reduce_shard`. Probation is the reducer's own history, which the auditor cannot know:
+    it accepts the claims when they are distinct members of the group and fewer than half of it."""
     if len(committed) != len(order):
         return f"{UNVERIFIABLE}: {len(committed)} part digests for a group of {len(order)}"
+    if len(set(probation)) != len(probation) or not set(probation) <= set(order) or 2 * len(probation) >= len(order):
+        return f"{WRONG_AGGREGATE}: probation claimed for {len(probation)} of {len(order)} members"
     mine = [digest(received[p]) if p in received and p not in invalid else "" for p in order]
     differ = [p for p, a, b in zip(order, mine, committed, strict=True) if a != b]
     if differ:
         return f"{UNVERIFIABLE}: parts of {', '.join(differ)} differ between reducer and auditor"[:300]
     try:
-        expected = reduce_shard(received, invalid, order, numel, codec, how)
+        expected = reduce_shard(received, invalid, order, numel, codec, how, probation)
     except RoundFailed:
         return f"{WRONG_AGGREGATE}: the committed parts leave no valid majority, yet a result was sent"
     if result == expected.result:

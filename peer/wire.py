@@ -58,8 +58,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "part": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
              "size": lambda v: _int(v, 1, MAX_GROUP)},
     # all-gather: the reducer's re-encoded result for shard ``shard``, with the digests of the parts it got
+    # and the members it gave weight 0 (probation)
     "result": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers, "parts": _digests},
+               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers, "parts": _digests,
+               "probation": _peers},
     # audit: the verdict of shard ``shard``'s auditor on the result with SHA-256 ``result``
     "audit": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
               "size": lambda v: _int(v, 1, MAX_GROUP), "ok": lambda v: isinstance(v, bool), "result": _hex64,

@@ -52,6 +52,12 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
     first = joiner.records()[0]
     assert first["round"] == sync["round"] and not first["void"] and first["group_size"] == 4
     assert first["state_hash"] == _hash_after(owner, first["round"])
+    # Sybil brake: in its first round the established reducers gave the newcomer's part weight 0
+    joiner_id = joiner.records("start")[0]["peer_id"]
+    owner_first = next(r for r in owner.records() if r["round"] == first["round"])
+    assert "on probation" in owner_first["excluded"].get(joiner_id, ""), owner_first["excluded"]
+    later = next(r for r in owner.records() if r["round"] == first["round"] + 1)
+    assert joiner_id in later["group"] and joiner_id not in later["excluded"], later
 
 
 @pytest.mark.parametrize("point", ["after_matchmaking", "after_parts", "before_results"])

@@ -7,7 +7,14 @@ import torch
 
 from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.reduce import UNVERIFIABLE, WRONG_AGGREGATE, audit_shard, digest, reduce_shard
+from hivetrain.peer.reduce import (
+    UNVERIFIABLE,
+    WRONG_AGGREGATE,
+    audit_shard,
+    digest,
+    probation_claims,
+    reduce_shard,
+)
 
 CODEC = get_codec("int8", 1024)
 ORDER = ("a", "b", "c", "d")
@@ -102,3 +109,28 @@ def test_malformed_result_is_a_wrong_aggregate() -> None:
     shard = reduce_shard(parts, {}, ORDER, NUMEL, CODEC, "mean")
     why = audit_shard(b"\xff\xff\xff\xff" + shard.result[4:], shard.digests, parts, {}, ORDER, NUMEL, CODEC, "mean")
     assert why is not None and why.startswith(WRONG_AGGREGATE)
+
+
+def test_probation_gives_newcomers_weight_zero_and_the_auditor_follows_the_claims() -> None:
+    parts = _parts(9)
+    claims = probation_claims(ORDER, {"d"})
+    assert claims == ["d"]
+    shard = reduce_shard(parts, {}, ORDER, NUMEL, CODEC, "mean", claims)
+    assert shard.probation == ["d"] and shard.excluded == {}
+    without_d = reduce_shard({p: parts[p] for p in "abc"}, {}, ORDER[:3], NUMEL, CODEC, "mean")
+    assert shard.result == without_d.result  # exactly the mean of the others
+    assert audit_shard(shard.result, shard.digests, parts, {}, ORDER, NUMEL, CODEC, "mean", claims) is None
+    # the same result without the claim does not pass: the auditor recomputes with what is claimed
+    why = audit_shard(shard.result, shard.digests, parts, {}, ORDER, NUMEL, CODEC, "mean", [])
+    assert why is not None and why.startswith(WRONG_AGGREGATE)
+
+
+def test_probation_for_half_the_group_or_more_is_neither_claimed_nor_accepted() -> None:
+    assert probation_claims(ORDER, {"a", "b"}) == []  # no established majority: equal weights
+    assert probation_claims(ORDER, {"a", "zz"}) == ["a"]
+    parts = _parts(10)
+    shard = reduce_shard(parts, {}, ORDER, NUMEL, CODEC, "mean", ["a", "b"])  # a cheater claiming two
+    why = audit_shard(shard.result, shard.digests, parts, {}, ORDER, NUMEL, CODEC, "mean", ["a", "b"])
+    assert why is not None and why.startswith(WRONG_AGGREGATE) and "probation" in why
+    for bad in (["a", "a"], ["x"]):
+        assert audit_shard(shard.result, shard.digests, parts, {}, ORDER, NUMEL, CODEC, "mean", bad) is not None

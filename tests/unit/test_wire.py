@@ -24,7 +24,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
         "view": {"members": [PEER, PEER2], "excluded": []},
         "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False},
         "part": {"group": HEX, "shard": 1, "size": 2},
-        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": [], "parts": [HEX[:32], ""]},
+        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": [], "parts": [HEX[:32], ""], "probation": [PEER2]},
         "audit": {"group": HEX, "shard": 0, "size": 2, "ok": False, "result": HEX, "reason": "wrong aggregate"},
         "ack": {"ok": True, "reason": ""},
     }
