@@ -8,7 +8,9 @@ For a decided group ``order`` (n members) of round r:
    result with the digests of the parts it used to every member;
 3. auditor k + 1 recomputes shard k from its own copies and sends its verdict, with the hash of the
    result it checked, to every member;
-4. every member applies each shard whose verdict is positive and whose result is the one the
+4. members check any "wrong aggregate" accusation themselves on the auditor's evidence
+   (peer/disputes.py) and drop whoever is at fault;
+5. every member applies each shard whose verdict is positive and whose result is the one the
    auditor checked; a shard its auditor rejects is void for the round (those parameters and their
    momentum keep their values); a result that differs from the audited one voids our whole round.
 
@@ -30,6 +32,7 @@ from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
 
 from .averager import group_hash, shard_bounds
+from .disputes import Disputes
 from .errors import RoundFailed
 from .faults import ATTACKS, FaultPlan, attack_part, attack_result
 from .reduce import WRONG_AGGREGATE, audit_shard, probation_claims, reduce_shard, result_hash
@@ -40,7 +43,7 @@ SEND_ATTEMPTS = 3  # deliveries of one message, within the all-reduce deadline
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
 
 
-class AllReduce:
+class AllReduce(Disputes):
     """Mixin: the attributes below are set by ``P2PAverager.__init__``."""
 
     me: str
@@ -63,13 +66,6 @@ class AllReduce:
     _part_log: list[tuple[str, dict[str, Any], bytes]]  # our last round's part messages (for the replay test hook)
     _ef: ErrorFeedback | None
     _arrived: asyncio.Event | None
-
-    def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
-        raise NotImplementedError
-
-    async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
-                       deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
-        raise NotImplementedError
 
     async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
         deadline = time.monotonic() + self.spec.allreduce_timeout
@@ -143,7 +139,11 @@ class AllReduce:
             await self._audit(round_, base, gh, order, audited, deadline)
             await self._wait_for(lambda: all((round_, gh, k, order[(k + 1) % n]) in self._verdicts for k in range(n)),
                                  deadline, "audit verdicts of every shard")
-        return self._gather(round_, gh, order, bounds)
+        averaged, excluded = self._gather(round_, gh, order, bounds)
+        if audited is not None:
+            await self._settle_accusations(round_, base, gh, order)
+            excluded.update(self._round_excluded)
+        return averaged, excluded
 
     def _mark_stale(self, round_: int) -> None:
         """Leaves out, in the shards we reduce or audit this round, members that replayed old parts."""
@@ -196,6 +196,8 @@ class AllReduce:
             why = await asyncio.get_running_loop().run_in_executor(
                 None, audit_shard, result, commits, received, invalid, order, e - s, self.codec, self.spec.aggregation,
                 claims)
+        if self.faults.action == "accuse" and self.faults.active("results", round_):  # test hook: a lying auditor
+            why = f"{WRONG_AGGREGATE}: (test hook) a false accusation"
         if why is not None:
             logger.warning("round %d: audit of shard %d (reducer %s): %s", round_, shard, order[shard], why)
             if why.startswith(WRONG_AGGREGATE):

@@ -18,10 +18,11 @@ POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", 
           "parts", "results")
 # kill/stop/exit fire once at POINT:ROUND; the others stand from ROUND on: "corrupt" (a state donor
 # serving wrong bytes), the Byzantine part attacks below (at POINT "parts") and "wrongsum" (a reducer
-# that sends a wrong aggregate with honest commitments, at POINT "results") and "replay" (a member that
+# that sends a wrong aggregate with honest commitments, at POINT "results"), "accuse" (an auditor that
+# calls every shard it audits a wrong aggregate, at POINT "results") and "replay" (a member that
 # sends its previous round's part messages verbatim instead of this round's, at POINT "parts")
 ATTACKS = ("nan", "huge", "flip", "const", "scale", "shortlen")
-ACTIONS = ("kill", "stop", "exit", "corrupt", "wrongsum", "replay", *ATTACKS)
+ACTIONS = ("kill", "stop", "exit", "corrupt", "wrongsum", "accuse", "replay", *ATTACKS)
 
 
 @dataclass

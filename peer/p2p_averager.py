@@ -253,8 +253,9 @@ class P2PAverager(AllReduce):
                 fields["decided"] = True  # done with (or out of) that round, without the sender
         elif view.decided is not None:
             fields.update(members=list(view.decided), decided=True)
-        elif sender in self._banned:
-            fields["decided"] = True  # we caught it sending garbage: not in our groups
+        elif sender in self._banned:  # we caught it: our view without it, and we do not take its view
+            # (answering "decided" would make it exclude us, and its view could spread that to others)
+            fields.update(members=sorted(view.members), excluded=sorted(view.excluded | {sender}))
         elif view.base == base:
             view.merge(header["members"] + [sender], header["excluded"])
             fields.update(members=sorted(view.members), excluded=sorted(view.excluded))
@@ -266,16 +267,17 @@ class P2PAverager(AllReduce):
         return {"type": kind, "run": self.spec_hash, "round": round_, "base": base, **fields}
 
     async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
-                       deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+                       deadline: float | None = None, max_reply_body: int = 0) -> tuple[dict[str, Any], bytes]:
         timeout = IO_TIMEOUT if deadline is None else max(0.1, deadline - time.monotonic())
         reply_header, reply_body, sent = await transport.request(
-            self.dht.p2p, peer, self.handler_name, header, body, timeout)
+            self.dht.p2p, peer, self.handler_name, header, body, timeout, max_reply_body)
         self._bytes[round_][0] += sent
         return reply_header, reply_body
 
     async def _handle(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = stream_info.peer_id.to_base58()
         header: dict[str, Any] = {"round": 0, "base": "0" * 64}
+        reply_body = b""
         try:
             header, body = await read_frame(reader, IO_TIMEOUT + self.spec.allreduce_timeout, self.max_body)
             if header["run"] != self.spec_hash:
@@ -286,6 +288,8 @@ class P2PAverager(AllReduce):
             self._bytes[round_][1] += len(body) + 64
             if header["type"] == "view":
                 reply = self._on_view(sender, header)
+            elif header["type"] == "evidence_req":
+                reply, reply_body = self._on_evidence(header)
             elif header["type"] == "audit":
                 self._on_verdict(sender, header)
                 reply = self._header("ack", round_, header["base"], ok=True, reason="")
@@ -303,7 +307,7 @@ class P2PAverager(AllReduce):
             logger.exception("averaging handler failed on a message from %s", sender)
             reply = self._header("ack", header["round"], header["base"], ok=False,
                                  reason=f"internal error: {type(e).__name__}")
-        await transport.reply(writer, reply)
+        await transport.reply(writer, reply, reply_body if reply["type"] == "evidence" else b"")
 
     def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         round_, gh, kind, shard, size = header["round"], header["group"], header["type"], header["shard"], header["size"]

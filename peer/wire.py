@@ -66,6 +66,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "audit": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
               "size": lambda v: _int(v, 1, MAX_GROUP), "ok": lambda v: isinstance(v, bool), "result": _hex64,
               "reason": lambda v: isinstance(v, str) and len(v) < 300},
+    # disputes: a member asks the auditor of shard ``shard`` for its copy of member ``index``'s part
+    "evidence_req": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
+                     "index": lambda v: _int(v, 0, MAX_GROUP - 1)},
+    "evidence": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
+                 "index": lambda v: _int(v, 0, MAX_GROUP - 1), "ok": lambda v: isinstance(v, bool)},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
     "state_req": {**_COMMON, "index": lambda v: _int(v, -1, 2**31)},
     "state_resp": {**_COMMON, "index": lambda v: _int(v, -1, 2**31), "ok": lambda v: isinstance(v, bool),

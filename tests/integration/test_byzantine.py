@@ -89,9 +89,38 @@ def test_reducer_returning_a_wrong_aggregate_is_caught(swarm, tmp_path: Path) ->
         assert cheat in order, order
         assert r["void_shards"] == [list(shard_bounds(numel, len(order))[order.index(cheat)])]
         assert "auditor" in r["excluded"][cheat] and "wrong aggregate" in r["excluded"][cheat]
+    auditor = round1[0]["group"][(round1[0]["group"].index(cheat) + 1) % 4]
+    for p, r in zip(honest, round1, strict=True):  # the others checked the auditor's evidence themselves
+        if p.records("start")[0]["peer_id"] != auditor:
+            assert "checked ourselves" in r["excluded"][cheat], r["excluded"]
     round2 = [next(r for r in p.records() if r["round"] == 2) for p in honest]
-    for r in round2:
-        assert cheat not in r["group"] and r["void_shards"] == [], r
+    honest_ids = {p.records("start")[0]["peer_id"] for p in honest}
+    for r in round2:  # all of them drop the cheater, and only it
+        assert set(r["group"]) == honest_ids and r["void_shards"] == [], r
+
+
+def test_auditor_accusing_falsely_is_found_out(swarm, tmp_path: Path) -> None:
+    """An auditor calls a correct shard a wrong aggregate: the shard is void for the round (what a lie
+    costs), every other member recomputes it from the auditor's own evidence, finds it correct and
+    drops the liar; the accused reducer stays in the run."""
+    from hivetrain.peer.averager import shard_bounds
+
+    peers = _start(swarm, 4, {3: "accuse"}, tmp_path, point="results")
+    assert (tmp_path / "fault3.log").read_text().startswith("accuse@results:1")
+    honest, liar = peers[:3], peers[3].records("start")[0]["peer_id"]
+    honest_ids = {p.records("start")[0]["peer_id"] for p in honest}
+    numel = honest[0].records("start")[0]["numel"]
+    for round_ in range(3):
+        records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
+        assert not any(r["void"] for r in records), [r["why"] for r in records]
+        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
+    for r in (next(r for r in p.records() if r["round"] == 1) for p in honest):
+        order = r["group"]
+        accused = (order.index(liar) - 1) % len(order)
+        assert r["void_shards"] == [list(shard_bounds(numel, len(order))[accused])]
+        assert "accused" in r["excluded"][liar], r["excluded"]  # the accused itself, and the others after checking
+    for r in (next(r for r in p.records() if r["round"] == 2) for p in honest):
+        assert set(r["group"]) == honest_ids, r["group"]
 
 
 def test_replayed_parts_of_an_earlier_round_are_refused_and_attributed(swarm, tmp_path: Path) -> None:

@@ -182,6 +182,23 @@ def test_outer_state_apply_sets_params_to_master(model: nn.Module) -> None:
     assert torch.equal(state.master, expected_master)
 
 
+def test_outer_state_apply_keeps_void_shards(model: nn.Module) -> None:
+    """Shards voided by their audit keep master and momentum; the rest is the normal outer step."""
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    state.apply(torch.full((state.numel,), 1e-3), model)  # non-zero momentum everywhere
+    master0, m0 = state.master.clone(), state.momentum.clone()
+    n = state.numel
+    keep = [(0, n // 5), (n // 2, n // 2 + 7)]
+    averaged = torch.linspace(-0.01, 0.01, n)
+    state.apply(averaged, model, keep=keep)
+    expected_master, expected_m = master0.clone(), m0.clone()
+    nesterov_outer_step(expected_master, expected_m, averaged, 0.7, 0.9)
+    for s, e in keep:
+        expected_master[s:e], expected_m[s:e] = master0[s:e], m0[s:e]
+    assert torch.equal(state.master, expected_master) and torch.equal(state.momentum, expected_m)
+    assert torch.equal(_flat(model), state.master) and state.round == 2
+
+
 def test_outer_state_void_restores_params_and_advances_round(model: nn.Module) -> None:
     state = OuterState(model, lr=0.7, momentum=0.9)
     state.apply(torch.full((state.numel,), 1e-3), model)
