@@ -196,7 +196,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         if args.info_file:
             tmp = args.info_file + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs}, f)
+                json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
+                           "spec_hash": spec.spec_hash().hex()}, f)
             os.replace(tmp, args.info_file)
 
         with torch.device("meta"):  # the parameter count only: no memory, no initialisation

@@ -1,4 +1,4 @@
-"""``Averager`` over hivemind's libp2p streams: matchmaking + reduce-scatter + all-gather of int8 parts.
+"""``Averager`` over hivemind's libp2p streams: matchmaking (peer/group.py) + audited all-reduce (peer/allreduce.py).
 
 All coroutines run on the DHT's event loop; ``average`` is the one synchronous entry, called by
 the training thread. Each message is one frame on its own libp2p stream (peer/wire.py), answered
@@ -9,7 +9,6 @@ transport), never a field the sender fills in.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -19,27 +18,26 @@ import torch
 
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT
-from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
 
 from . import transport
 from .allreduce import DUPLICATE, AllReduce
-from .averager import AverageResult, group_order, shard_bounds
+from .averager import AverageResult, shard_bounds
 from .errors import RoundFailed
 from .faults import FaultPlan
-from .matchmaking import Reply, View, reconcile_step
-from .sybil import Probation, cap_by_prefix, first_prefix, observed_prefixes
+from .group import GroupFormation
+from .matchmaking import View
+from .sybil import Probation
 from .wire import ProtocolError, read_frame
 
 logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange
-POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
 MAX_GROUPS_PER_ROUND = 4  # distinct group hashes a peer buffers messages for, per round
 
 
-class P2PAverager(AllReduce):
+class P2PAverager(GroupFormation, AllReduce):
     """Averages pseudo-gradients with the peers of one run. Construct, then ``start()``."""
 
     def __init__(self, dht: DHT, identity: Identity, run_key: str, spec: Any, numel: int, faults: FaultPlan):
@@ -140,126 +138,6 @@ class P2PAverager(AllReduce):
         if view is None or view.base != base:
             view = self._views[round_] = View(round_, base, self.me)
         return view
-
-    # ---- matchmaking ----------------------------------------------------------------------------
-
-    async def _announce_ready(self, round_: int, base: str) -> None:
-        payload = encode_payload("ready", dict(peer_id=self.me, round=round_, base_hash=base,
-                                               spec_hash=self.spec_hash))
-        expiration = time.time() + self.spec.matchmaking_timeout + self.spec.allreduce_timeout
-        envelope = Envelope.sign(self.identity, "ready", ready_key(self.run_key, round_), payload, expiration)
-        budget_end = time.monotonic() + min(self.dht.options.timeout, self.spec.matchmaking_timeout)
-        while (remaining := budget_end - time.monotonic()) > 0:
-            try:
-                if await asyncio.wait_for(self.dht.astore(envelope), remaining):
-                    return
-            except TimeoutError:
-                break
-            await asyncio.sleep(min(1.0, max(0.0, budget_end - time.monotonic())))  # refused: not a tight loop
-        # not fatal: the peers we find still learn of us when we ask them for their view
-        logger.warning("round %d: could not publish our ready record to the DHT", round_)
-
-    async def _ready_peers(self, view: View) -> set[str]:
-        found: set[str] = set()
-        try:
-            envelopes = await asyncio.wait_for(self.dht.aget(ready_key(self.run_key, view.round)), 5.0)
-        except TimeoutError:
-            return found  # a partitioned or slow DHT: the window goes on with what we know
-        for envelope in envelopes:
-            try:
-                fields = decode_payload("ready", envelope.payload)
-            except Exception:
-                continue
-            if (fields["round"], fields["base_hash"], fields["spec_hash"]) == (view.round, view.base, self.spec_hash):
-                found.add(fields["peer_id"])
-        self.dht.remember(found)
-        return found
-
-    async def _matchmake(self, view: View) -> tuple[str, ...]:
-        spec = self.spec
-        window_end = time.monotonic() + spec.matchmaking_timeout
-        while view.decided is None and len(view.effective()) < spec.target_group_size:
-            view.merge(sorted(await self._ready_peers(view)), [])
-            for peer in self._banned:
-                view.exclude(peer)
-            remaining = window_end - time.monotonic()
-            if remaining <= 0 or len(view.effective()) >= spec.target_group_size:
-                break
-            view.changed.clear()
-            try:
-                await asyncio.wait_for(view.changed.wait(), min(POLL, remaining))
-            except TimeoutError:
-                pass
-        await self._cap_prefixes(view)
-        agree_end = time.monotonic() + max(5.0, spec.matchmaking_timeout / 2)
-        while view.decided is None:
-            if time.monotonic() > agree_end:
-                raise RoundFailed(f"no agreement on the group of round {view.round}")
-            if self.me in view.excluded:
-                raise RoundFailed("excluded from the group by the other peers")
-            asked = sorted(view.effective() - {self.me})
-            if not asked:
-                view.decided = (self.me,)
-                break
-            replies = await asyncio.gather(*(self._ask_view(view, peer) for peer in asked))
-            if view.decided is None:  # a handler may have adopted a decision meanwhile
-                reconcile_step(view, dict(zip(asked, replies, strict=True)))
-        if len(view.decided) < spec.min_group_size:
-            raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
-        return group_order(view.decided, view.round, view.base)
-
-    async def _cap_prefixes(self, view: View) -> None:
-        """Sybil brake: at most ``spec.max_per_prefix`` members per IPv4 /24 or IPv6 /48, as our own
-        connections see them (never what a peer claims). Which ones stay is ranked by a hash of the
-        round, the base state and the peer id, so members that see the same addresses drop the same
-        peers; where they see different ones, exclusions merge during reconciliation."""
-        if self.spec.max_per_prefix <= 0:
-            return
-        members = sorted(view.effective())
-        prefixes = await observed_prefixes(self.dht.p2p, [p for p in members if p != self.me])
-        try:  # ourselves: the address we listen on or announce (None behind a NAT: we cannot see it)
-            async with asyncio.timeout(5.0):
-                prefixes[self.me] = first_prefix(str(a) for a in await self.dht.p2p.get_visible_maddrs())
-        except Exception:
-            prefixes[self.me] = None
-
-        def rank(peer: str) -> bytes:
-            return hashlib.sha256(f"prefix/{view.round}/{view.base}/{peer}".encode()).digest()
-
-        _, dropped = cap_by_prefix(members, prefixes, self.spec.max_per_prefix, rank)
-        for peer, why in dropped.items():  # if we are dropped, the others exclude us during reconciliation
-            view.exclude(peer)
-            if peer != self.me:
-                self._round_excluded[peer] = f"not grouped: {why}"
-
-    async def _ask_view(self, view: View, peer: str) -> Reply | None:
-        header = self._header("view", view.round, view.base, members=sorted(view.members),
-                              excluded=sorted(view.excluded))
-        try:
-            reply, _ = await self._request(peer, header, b"", view.round)
-        except Exception as e:  # unreachable, refused, timed out, malformed, p2pd dial error: not in our group
-            logger.debug("view request to %s failed: %r", peer, e)
-            return None
-        if reply["type"] != "view_reply" or reply["base"] != view.base:
-            return None
-        return Reply(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"])
-
-    def _on_view(self, sender: str, header: dict[str, Any]) -> dict[str, Any]:
-        round_, base = header["round"], header["base"]
-        view = self._views.get(round_)
-        fields: dict[str, Any] = dict(members=[], excluded=[], decided=False)
-        if view is None or view.abandoned:
-            if view is not None or round_ < self.current_round:
-                fields["decided"] = True  # done with (or out of) that round, without the sender
-        elif view.decided is not None:
-            fields.update(members=list(view.decided), decided=True)
-        elif sender in self._banned:  # we caught it: our view without it, and we do not take its view
-            # (answering "decided" would make it exclude us, and its view could spread that to others)
-            fields.update(members=sorted(view.members), excluded=sorted(view.excluded | {sender}))
-        elif view.base == base:
-            view.merge(header["members"] + [sender], header["excluded"])
-            fields.update(members=sorted(view.members), excluded=sorted(view.excluded))
-        return self._header("view_reply", round_, base, **fields)
 
     # ---- transport ------------------------------------------------------------------------------
 

@@ -66,3 +66,53 @@ def test_nested_tuples_and_forged_records_do_not_hurt_a_peer(swarm) -> None:
             pass
     assert "Segmentation" not in peer.log.read_text()
     assert make_run_key("hostile", b"\0" * 32) != info["run_key"]
+
+
+async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
+    """Raw frames on the averaging protocol from a libp2p peer that is not part of the run."""
+    from hivemind.p2p import P2P
+
+    from hivetrain.peer.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
+
+    attacker = await P2P.create(initial_peers=[maddr])
+    handler = f"hivetrain/avg/2/{spec_hash[:32]}"
+    victim = PeerID.from_base58(maddr.rsplit("/", 1)[1])
+    out: dict[str, object] = {}
+    try:
+        for name, frame in [
+            ("oversized_header", PREFIX.pack(MAGIC, MAX_HEADER + 1, 0)),  # claims more than the cap, sends nothing
+            ("oversized_body", PREFIX.pack(MAGIC, 8, 1 << 40)),  # a 1 TiB body for a part
+            ("bad_magic", b"EVIL" + bytes(12)),
+        ]:
+            deadline = time.monotonic() + 60
+            while True:  # the handler is registered once the peer has built its model: wait for it
+                try:
+                    _, reader, writer = await attacker.call_binary_stream_handler(victim, handler)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            writer.write(frame)
+            await writer.drain()
+            reply, _ = await read_frame(reader, 10.0, 0)  # answered at once: it does not wait for the claimed bytes
+            out[name] = (reply["type"], reply["ok"], reply["reason"])
+            writer.close()
+    finally:
+        await attacker.shutdown()
+    return out
+
+
+def test_oversized_frames_are_refused_before_reading(swarm) -> None:
+    peer = swarm("target", "--new-run", "frames", "--sync-every", "2", "--matchmaking-timeout", "1")
+    info = peer.wait_info()
+    results = asyncio.run(_frames(info["maddrs"][0], info["spec_hash"]))
+    assert results["oversized_header"][:2] == ("ack", False) and "exceeds" in results["oversized_header"][2], results
+    assert results["oversized_body"][:2] == ("ack", False) and "exceeds" in results["oversized_body"][2], results
+    assert results["bad_magic"][:2] == ("ack", False) and "magic" in results["bad_magic"][2], results
+    before = len(peer.records())
+    deadline = time.monotonic() + 60
+    while len(peer.records()) < before + 2:  # and it goes on training
+        assert peer.proc.poll() is None, f"the peer died:\n{peer.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "the peer stopped training after the frames"
+        time.sleep(0.2)
