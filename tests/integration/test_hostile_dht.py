@@ -116,3 +116,37 @@ def test_oversized_frames_are_refused_before_reading(swarm) -> None:
         assert peer.proc.poll() is None, f"the peer died:\n{peer.log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "the peer stopped training after the frames"
         time.sleep(0.2)
+
+
+async def _forge_spec(maddr: str, run_key: str) -> dict[str, object]:
+    """A node without our validator stores run specs for someone else's run: under the owner's
+    subkey with its own signature, and under its own subkey."""
+    from hivetrain.dht.records import spec_key
+    from hivetrain.peer.config import RunSpec
+
+    attacker = await DHTNode.create(initial_peers=[maddr], client_mode=False)
+    try:
+        liar = Identity.generate()
+        name, owner_fp = run_key.split(".")
+        evil = RunSpec.from_preset(name, "tiny", outer_lr=9.0)
+        out: dict[str, object] = {}
+        for label, subkey in [("as_owner", owner_fp), ("as_itself", liar.fingerprint)]:
+            forged = Envelope.sign(liar, "spec", spec_key(run_key), evil.encode(), time.time() + 600)
+            out[label] = await attacker.store(spec_key(run_key), forged.encode(), time.time() + 600, subkey=subkey)
+        return out
+    finally:
+        await attacker.shutdown()
+
+
+def test_forged_run_spec_is_refused_and_joiners_get_the_owners(swarm) -> None:
+    owner = swarm("owner", "--new-run", "forged", "--sync-every", "2", "--max-rounds", "3",
+                  "--wait-for-peers", "2", "--quiet")
+    info = owner.wait_info()
+    results = asyncio.run(_forge_spec(info["maddrs"][0], info["run_key"]))
+    assert results == {"as_owner": False, "as_itself": False}, results
+    joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
+                   "--max-rounds", "3", "--wait-for-peers", "2", "--quiet")
+    assert joiner.wait(240) == 0 and owner.wait(120) == 0, joiner.log.read_text()[-3000:]
+    assert joiner.wait_info()["spec_hash"] == info["spec_hash"]
+    last = [p.records()[-1] for p in (owner, joiner)]
+    assert last[0]["state_hash"] == last[1]["state_hash"] and not last[1]["void"], last
