@@ -14,7 +14,7 @@ COMMON = ["--sync-every", "3", "--allreduce-timeout", "12", "--max-rounds", "3",
 
 
 def _start(swarm, n: int, attackers: dict[int, str], tmp_path: Path, point: str = "parts") -> list:
-    owner = swarm("p0", "--new-run", "byz", "--target-group-size", str(n), "--matchmaking-timeout", "8",
+    owner = swarm("p0", "--new-run", "byz", "--target-group-size", str(n), "--matchmaking-timeout", "15",
                   "--wait-for-peers", str(n), *COMMON)
     info = owner.wait_info()
     peers = [owner]
