@@ -202,6 +202,7 @@ class AllReduce(Disputes):
             logger.warning("round %d: audit of shard %d (reducer %s): %s", round_, shard, order[shard], why)
             if why.startswith(WRONG_AGGREGATE):
                 self._banned[order[shard]] = f"round {round_}: {why}"
+                self._keep_evidence(round_, gh, order, shard)
         digest = result_hash(result)
         self._verdicts[(round_, gh, shard, self.me)] = (why is None, digest, why or "")
         await self._send_all(round_, base, gh, "audit", order, [(k, shard, b"") for k in range(n) if k != order.index(self.me)],

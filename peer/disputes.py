@@ -45,7 +45,7 @@ class Disputes:
     _verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]]
     _banned: dict[str, str]
     _round_excluded: dict[str, str]
-    _active: tuple[int, str, tuple[str, ...], tuple[int, ...]] | None
+    _evidence: dict[tuple[int, str, int], list[bytes]]  # (round, group, shard) -> the parts behind our accusation
 
     def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError
@@ -100,14 +100,15 @@ class Disputes:
             return reducer, f"shard {k}: {why} (checked ourselves on its auditor's evidence)"[:300]
         return auditor, f"accused {reducer} of a wrong aggregate in shard {k}, which we recomputed: {why or 'correct'}"
 
+    def _keep_evidence(self, round_: int, gh: str, order: tuple[str, ...], shard: int) -> None:
+        """Keeps our copies of a shard's parts after accusing its reducer (until the round after next),
+        so that members can check them even once we have moved on."""
+        self._evidence[(round_, gh, shard)] = [self._inbox.get((round_, gh, "part", shard, p), b"") for p in order]
+
     def _on_evidence(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """Serves our copy of one part of a shard we audited and found wrong in the current round."""
+        """Serves our copy of one part of a shard we audited and accused (empty, ok=False otherwise)."""
         round_, gh, shard, index = header["round"], header["group"], header["shard"], header["index"]
-        active = self._active
-        body = b""
-        if active is not None and active[:2] == (round_, gh) and index < len(active[2]):
-            ok, _, why = self._verdicts.get((round_, gh, shard, self.me), (True, "", ""))
-            if not ok and why.startswith(WRONG_AGGREGATE):
-                body = self._inbox.get((round_, gh, "part", shard, active[2][index]), b"")
+        parts = self._evidence.get((round_, gh, shard), [])
+        body = parts[index] if index < len(parts) else b""
         return (self._header("evidence", round_, header["base"], group=gh, shard=shard, index=index, ok=bool(body)),
                 body)

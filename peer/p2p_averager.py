@@ -59,6 +59,7 @@ class P2PAverager(GroupFormation, AllReduce):
         self._excluded: dict[tuple[int, str, int], list[str]] = {}  # (round, group, shard) -> left out by its reducer
         self._commits: dict[tuple[int, str, int], list[str]] = {}
         self._claims: dict[tuple[int, str, int], list[str]] = {}
+        self._evidence: dict[tuple[int, str, int], list[bytes]] = {}
         self._probation = Probation()
         self._verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]] = {}
         self._void_ranges: list[tuple[int, int]] = []
@@ -125,6 +126,8 @@ class P2PAverager(GroupFormation, AllReduce):
             del self._verdicts[vkey]
         for r in [r for r in self._stale if r < round_]:
             del self._stale[r]
+        for xkey in [k for k in self._evidence if k[0] < round_ - 1]:
+            del self._evidence[xkey]
         self._void_ranges = []
         for r in [r for r in self._views if r < round_ - 1]:
             del self._views[r]
