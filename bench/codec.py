@@ -49,7 +49,8 @@ LIMIT_FACTOR = {"encode": 4 / 5, "decode_accumulate": 4 / 5, "reduce4": 16 / 49,
 MAX_OTHER_CORES = 0.15  # a sample is valid when other processes used less than this many cores meanwhile
 
 
-def _parse_sizes(text: str) -> list[int]:
+def parse_counts(text: str) -> list[int]:
+    """``"10M,100M"`` -> [10_000_000, 100_000_000]; K, M, G suffixes."""
     mult = {"K": 10**3, "M": 10**6, "G": 10**9}
     out = []
     for part in text.split(","):
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes and fewer samples: well under a minute")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    sizes = _parse_sizes(args.sizes or ("1M,10M" if args.quick else "10M,100M"))
+    sizes = parse_counts(args.sizes or ("1M,10M" if args.quick else "10M,100M"))
     reps = args.reps or (3 if args.quick else 7)
     window = 0.03 if args.quick else 0.05
     if args.worker is not None:

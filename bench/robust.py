@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench.codec import parse_counts
 from hivetrain.kernels.int8 import Codec, active_path, get_codec
 from hivetrain.peer.aggregation import CLIP, ITERS, _clip_weights, aggregate, outliers
 from hivetrain.peer.averager import shard_bounds
@@ -49,16 +50,6 @@ from hivetrain.peer.averager import shard_bounds
 HOWS = ("mean", "robust")
 COMPUTE_S_ASSUMED = 150.0  # seconds of compute per round: H = 500 inner steps x ~0.3 s (an assumption)
 Phases = dict[str, float]  # phase name -> seconds
-
-
-def _parse_counts(text: str) -> list[int]:
-    """``"25M,100M"`` -> [25_000_000, 100_000_000]; K, M, G suffixes."""
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}
-    out = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        out.append(int(float(part[:-1]) * mult[part[-1]]) if part[-1] in mult else int(part))
-    return out
 
 
 def make_parts(params: int, n: int, codec: Codec, seed: int) -> tuple[list[bytes], int]:
@@ -243,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    params = _parse_counts(args.params or ("2M" if args.quick else "25M,100M"))
+    params = parse_counts(args.params or ("2M" if args.quick else "25M,100M"))
     groups = [int(s) for s in args.groups.split(",")]
     if min(groups) < 3:
         ap.error("--groups: robust_mean is the plain mean below 3 members; use group sizes >= 3")
