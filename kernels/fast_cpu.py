@@ -512,8 +512,8 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _run_split(fn: Callable[[int, int, int], int | None], n_chunks: int, numel: int) -> list[int | None]:
-    """Run ``fn(n_threads, per_block, counter_address)`` once on each of ``T <= torch.get_num_threads()``
+def _run_split(fn: Callable[[int, int], int | None], n_chunks: int, numel: int) -> list[int | None]:
+    """Run ``fn(per_block, counter_address)`` once on each of ``T <= torch.get_num_threads()``
     threads; the C side takes blocks of ``per_block`` chunks from the shared counter until none are left.
 
     Dynamic scheduling: on a volunteer's machine another process often holds a core for a few ms,
@@ -527,10 +527,10 @@ def _run_split(fn: Callable[[int, int, int], int | None], n_chunks: int, numel: 
     counter = ctypes.c_int64(0)
     addr = ctypes.addressof(counter)
     if t == 1:
-        return [fn(1, n_chunks, addr)]
+        return [fn(n_chunks, addr)]
     per_block = max(1, min(-(-n_chunks // (4 * t)), -(-n_chunks * BLOCK_NUMEL // numel)))  # chunks per block
-    futures = [_get_pool(t - 1).submit(fn, t, per_block, addr) for _ in range(t - 1)]
-    results = [fn(t, per_block, addr)]  # the calling thread works too
+    futures = [_get_pool(t - 1).submit(fn, per_block, addr) for _ in range(t - 1)]
+    results = [fn(per_block, addr)]  # the calling thread works too
     results += [f.result() for f in futures]
     return results
 
@@ -575,7 +575,7 @@ def _encode_at(x: torch.Tensor, addr: int, chunk_size: int) -> None:
     his = torch.empty(n, dtype=torch.float32)  # (n,) chunk maxima
     xp, hp, nt = x.data_ptr(), his.data_ptr(), int(numel >= NT_MIN_NUMEL)
 
-    def run(_: int, per_block: int, counter: int) -> int:
+    def run(per_block: int, counter: int) -> int:
         return int(lib.hv_encode_dyn(xp, numel, chunk_size, n, per_block, counter, addr, addr + 4 * n, hp,
                                      addr + 8 * n, nt))
 
@@ -659,7 +659,7 @@ def _dequant(payload: object, numel: int, chunk_size: int, out: torch.Tensor, ac
     w = ctypes.c_float(weight)  # float32(weight), as torch's ``mul_(python_float)`` on a float32 tensor
     acc = int(accumulate)
 
-    def run(_: int, per_block: int, counter: int) -> None:
+    def run(per_block: int, counter: int) -> None:
         lib.hv_dequant_dyn(qp, numel, chunk_size, n, per_block, counter, sp, op, outp, acc, w)
 
     _run_split(run, n, numel)

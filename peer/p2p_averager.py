@@ -112,29 +112,12 @@ class P2PAverager(GroupFormation, AllReduce):
     def _enter_round(self, round_: int) -> None:
         self.current_round = round_
         self._round_excluded = {}
-        for key in [k for k in self._inbox if k[0] < round_]:
-            del self._inbox[key]
-        for ikey in [k for k in self._invalid if k[0] < round_]:
-            del self._invalid[ikey]
-        for ekey in [k for k in self._excluded if k[0] < round_]:
-            del self._excluded[ekey]
-        for ckey in [k for k in self._commits if k[0] < round_]:
-            del self._commits[ckey]
-        for ckey in [k for k in self._claims if k[0] < round_]:
-            del self._claims[ckey]
-        for vkey in [k for k in self._verdicts if k[0] < round_]:
-            del self._verdicts[vkey]
-        for r in [r for r in self._stale if r < round_]:
-            del self._stale[r]
-        for xkey in [k for k in self._evidence if k[0] < round_ - 1]:
-            del self._evidence[xkey]
         self._void_ranges = []
-        for r in [r for r in self._views if r < round_ - 1]:
-            del self._views[r]
-        for r in [r for r in self._bytes if r < round_ - 1]:
-            del self._bytes[r]
-        for r in [r for r in self._groups_seen if r < round_ - 1]:
-            del self._groups_seen[r]
+        for keyed in (self._inbox, self._invalid, self._excluded, self._commits, self._claims, self._verdicts,
+                      self._stale):  # state of earlier rounds
+            _drop_rounds_before(keyed, round_)
+        for later in (self._evidence, self._views, self._bytes, self._groups_seen):  # kept one round longer
+            _drop_rounds_before(later, round_ - 1)
 
     def _view(self, round_: int, base: str) -> View:
         view = self._views.get(round_)
@@ -188,7 +171,7 @@ class P2PAverager(GroupFormation, AllReduce):
             logger.exception("averaging handler failed on a message from %s", sender)
             reply = self._header("ack", header["round"], header["base"], ok=False,
                                  reason=f"internal error: {type(e).__name__}")
-        await transport.reply(writer, reply, reply_body if reply["type"] == "evidence" else b"")
+        await transport.reply(writer, reply, reply_body)
 
     def _on_payload(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         round_, gh, kind, shard, size = header["round"], header["group"], header["type"], header["shard"], header["size"]
@@ -242,3 +225,9 @@ class P2PAverager(GroupFormation, AllReduce):
         self._verdicts[key] = verdict
         assert self._arrived is not None
         self._arrived.set()
+
+
+def _drop_rounds_before(keyed: dict[Any, Any], round_: int) -> None:
+    """Deletes the entries of rounds before ``round_``; keys are a round or a tuple starting with one."""
+    for key in [k for k in keyed if (k[0] if isinstance(k, tuple) else k) < round_]:
+        del keyed[key]
