@@ -56,6 +56,11 @@ class Shard:
     probation: list[str]  # members whose valid parts had weight 0 (Sybil brake, see probation_claims)
 
 
+def part_digests(received: Mapping[str, bytes], invalid: Mapping[str, str], order: Sequence[str]) -> list[str]:
+    """Per member in group order: the digest of its part as received, "" where none arrived valid."""
+    return [digest(received[p]) if p in received and p not in invalid else "" for p in order]
+
+
 def probation_claims(order: Sequence[str], candidates: Collection[str]) -> list[str]:
     """The members the reducer puts on probation: ``candidates`` (peers it never completed a round
     with), in group order, unless they are half the group or more: probation dilutes newcomers among
@@ -66,12 +71,13 @@ def probation_claims(order: Sequence[str], candidates: Collection[str]) -> list[
 
 
 def reduce_shard(received: Mapping[str, bytes], invalid: Mapping[str, str], order: Sequence[str], numel: int,
-                 codec: Codec, how: str, probation: Collection[str] = ()) -> Shard:
+                 codec: Codec, how: str, probation: Collection[str] = (), digests: list[str] | None = None) -> Shard:
     """Combines the members' parts of one shard of ``numel`` values.
 
     ``received`` maps members to the parts that arrived with the right length; ``invalid`` maps
     members whose part was refused on arrival to the reason; valid parts of ``probation`` members
-    get weight 0 (are left out) unless that would leave nothing. Raises RoundFailed if half or more
+    get weight 0 (are left out) unless that would leave nothing. ``digests``: the parts' digests when
+    the caller has them already (:func:`part_digests`). Raises RoundFailed if half or more
     of the parts are invalid (no majority left to combine)."""
     decoded: dict[str, torch.Tensor] = {}
     excluded: dict[str, str] = {}
@@ -97,7 +103,8 @@ def reduce_shard(received: Mapping[str, bytes], invalid: Mapping[str, str], orde
     else:
         on_probation = []
     combined = aggregate(list(decoded.values()), how)  # (numel,) fp32
-    digests = [digest(received[p]) if p in received and p not in invalid else "" for p in order]
+    if digests is None:
+        digests = part_digests(received, invalid, order)
     return Shard(codec.encode(combined), combined, excluded, digests, on_probation)
 
 
@@ -114,12 +121,12 @@ def audit_shard(result: bytes, committed: Sequence[str], received: Mapping[str, 
         return f"{UNVERIFIABLE}: {len(committed)} part digests for a group of {len(order)}"
     if len(set(probation)) != len(probation) or not set(probation) <= set(order) or 2 * len(probation) >= len(order):
         return f"{WRONG_AGGREGATE}: probation claimed for {len(probation)} of {len(order)} members"
-    mine = [digest(received[p]) if p in received and p not in invalid else "" for p in order]
+    mine = part_digests(received, invalid, order)
     differ = [p for p, a, b in zip(order, mine, committed, strict=True) if a != b]
     if differ:
         return f"{UNVERIFIABLE}: parts of {', '.join(differ)} differ between reducer and auditor"[:300]
     try:
-        expected = reduce_shard(received, invalid, order, numel, codec, how, probation)
+        expected = reduce_shard(received, invalid, order, numel, codec, how, probation, mine)
     except RoundFailed:
         return f"{WRONG_AGGREGATE}: the committed parts leave no valid majority, yet a result was sent"
     if result == expected.result:
