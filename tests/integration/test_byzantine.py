@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hivetrain.peer.averager import shard_bounds
+
 pytestmark = pytest.mark.timeout(600)
 
 COMMON = ["--sync-every", "3", "--allreduce-timeout", "12", "--max-rounds", "3", "--quiet"]
@@ -26,6 +28,17 @@ def _start(swarm, n: int, attackers: dict[int, str], tmp_path: Path, point: str 
     for p in peers:
         assert p.wait(240) == 0, p.log.read_text()[-3000:]
     return peers
+
+
+def _completed_alike(honest: list, n_rounds: int) -> list[list[dict]]:
+    """Per round: the honest peers' records, asserted completed (not void) and bit-identical."""
+    rounds = []
+    for round_ in range(n_rounds):
+        records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
+        assert not any(r["void"] for r in records), [r["why"] for r in records]
+        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
+        rounds.append(records)
+    return rounds
 
 
 def _check(peers: list, attackers: dict[int, str], tmp_path: Path, attributed: bool) -> None:
@@ -71,19 +84,14 @@ def test_two_of_five_huge_and_constant_direction(swarm, tmp_path: Path) -> None:
 def test_reducer_returning_a_wrong_aggregate_is_caught(swarm, tmp_path: Path) -> None:
     """A reducer sends every member a shifted aggregate with honest part digests: its auditor recomputes
     the shard, every honest member voids that shard (and only it), and the auditor drops the cheater."""
-    from hivetrain.peer.averager import shard_bounds
-
     peers = _start(swarm, 4, {3: "wrongsum"}, tmp_path, point="results")
     assert (tmp_path / "fault3.log").read_text().startswith("wrongsum@results:1")
     honest, cheat = peers[:3], peers[3].records("start")[0]["peer_id"]
     numel = honest[0].records("start")[0]["numel"]
-    for round_ in range(3):
-        records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
-        assert not any(r["void"] for r in records), [r["why"] for r in records]
-        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
-        for r in records:
-            assert all(math.isfinite(r[k]) for k in ("train_loss", "eval_loss")), r
-    round1 = [next(r for r in p.records() if r["round"] == 1) for p in honest]
+    rounds = _completed_alike(honest, 3)
+    for r in (r for records in rounds for r in records):
+        assert all(math.isfinite(r[k]) for k in ("train_loss", "eval_loss")), r
+    round1 = rounds[1]
     for r in round1:
         order = r["group"]
         assert cheat in order, order
@@ -103,18 +111,12 @@ def test_auditor_accusing_falsely_is_found_out(swarm, tmp_path: Path) -> None:
     """An auditor calls a correct shard a wrong aggregate: the shard is void for the round (what a lie
     costs), every other member recomputes it from the auditor's own evidence, finds it correct and
     drops the liar; the accused reducer stays in the run."""
-    from hivetrain.peer.averager import shard_bounds
-
     peers = _start(swarm, 4, {3: "accuse"}, tmp_path, point="results")
     assert (tmp_path / "fault3.log").read_text().startswith("accuse@results:1")
     honest, liar = peers[:3], peers[3].records("start")[0]["peer_id"]
     honest_ids = {p.records("start")[0]["peer_id"] for p in honest}
     numel = honest[0].records("start")[0]["numel"]
-    for round_ in range(3):
-        records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
-        assert not any(r["void"] for r in records), [r["why"] for r in records]
-        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
-    for r in (next(r for r in p.records() if r["round"] == 1) for p in honest):
+    for r in _completed_alike(honest, 3)[1]:
         order = r["group"]
         accused = (order.index(liar) - 1) % len(order)
         assert r["void_shards"] == [list(shard_bounds(numel, len(order))[accused])]
@@ -127,17 +129,11 @@ def test_replayed_parts_of_an_earlier_round_are_refused_and_attributed(swarm, tm
     """From round 1 on, one member re-sends its previous round's part messages verbatim instead of new
     ones: every honest reducer refuses them as stale, leaves the member out at once (no deadline lost)
     and names it; shards whose audit it spoils are void; nobody uses old bytes."""
-    from hivetrain.peer.averager import shard_bounds
-
     peers = _start(swarm, 4, {3: "replay"}, tmp_path)
     assert (tmp_path / "fault3.log").read_text().startswith("replay@parts:1")
     honest, replayer = peers[:3], peers[3].records("start")[0]["peer_id"]
     numel = honest[0].records("start")[0]["numel"]
-    for round_ in range(3):
-        records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
-        assert not any(r["void"] for r in records), [r["why"] for r in records]
-        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
-    round1 = [next(r for r in p.records() if r["round"] == 1) for p in honest]
+    round1 = _completed_alike(honest, 3)[1]
     for r in round1:
         order = r["group"]
         assert replayer in order and "replayed its part of round 0" in r["excluded"][replayer], r["excluded"]
