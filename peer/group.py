@@ -24,6 +24,7 @@ from .sybil import cap_by_prefix, first_prefix, observed_prefixes
 
 logger = logging.getLogger(__name__)
 POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
+RECONCILE_PAUSE = 0.05  # seconds before asking again when a round of view requests changed nothing
 
 
 class GroupFormation:
@@ -43,6 +44,10 @@ class GroupFormation:
     def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _parts_from(self, view: View) -> bool:
+        """Whether a member of ``view`` already sent us a part of its round."""
+        raise NotImplementedError
+
     async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
                        deadline: float | None = None, max_reply_body: int = 0) -> tuple[dict[str, Any], bytes]:
         raise NotImplementedError
@@ -59,6 +64,9 @@ class GroupFormation:
                     return
             except TimeoutError:
                 break
+            except Exception as e:  # runs as a background task: say what went wrong, never raise unseen
+                logger.warning("round %d: storing our ready record failed: %r", round_, e)
+                return
             await asyncio.sleep(min(1.0, max(0.0, budget_end - time.monotonic())))  # refused: not a tight loop
         # not fatal: the peers we find still learn of us when we ask them for their view
         logger.warning("round %d: could not publish our ready record to the DHT", round_)
@@ -87,7 +95,7 @@ class GroupFormation:
             for peer in self._banned:
                 view.exclude(peer)
             remaining = window_end - time.monotonic()
-            if remaining <= 0 or len(view.effective()) >= spec.target_group_size:
+            if remaining <= 0 or len(view.effective()) >= spec.target_group_size or self._parts_from(view):
                 break
             view.changed.clear()
             try:
@@ -105,9 +113,14 @@ class GroupFormation:
             if not asked:
                 view.decided = (self.me,)
                 break
+            view.changed.clear()
             replies = await asyncio.gather(*(self._ask_view(view, peer) for peer in asked))
-            if view.decided is None:  # a handler may have adopted a decision meanwhile
-                reconcile_step(view, dict(zip(asked, replies, strict=True)))
+            if view.decided is None and reconcile_step(view, dict(zip(asked, replies, strict=True))) is None:
+                if not view.changed.is_set():  # the others have yet to catch up: give them a moment, not a busy loop
+                    try:
+                        await asyncio.wait_for(view.changed.wait(), RECONCILE_PAUSE)
+                    except TimeoutError:
+                        pass
         if len(view.decided) < spec.min_group_size:
             raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
         return group_order(view.decided, view.round, view.base)

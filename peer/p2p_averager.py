@@ -96,8 +96,13 @@ class P2PAverager(GroupFormation, AllReduce):
         self._enter_round(round_)
         view = self._view(round_, base)
         try:
-            await self._announce_ready(round_, base)
-            order = await self._matchmake(view)
+            # published alongside the window, not before it: a slow DHT store must not keep us from
+            # answering (and adopting) a group that the others already decided and wait for
+            announce = asyncio.create_task(self._announce_ready(round_, base))
+            try:
+                order = await self._matchmake(view)
+            finally:
+                announce.cancel()  # decided or failed: no more store retries for this round
             t1 = time.monotonic()
             self.faults.fire("after_matchmaking", round_)
             averaged = await self._allreduce(round_, base, order, delta)
@@ -118,6 +123,10 @@ class P2PAverager(GroupFormation, AllReduce):
             _drop_rounds_before(keyed, round_)
         for later in (self._evidence, self._views, self._bytes, self._groups_seen):  # kept one round longer
             _drop_rounds_before(later, round_ - 1)
+
+    def _parts_from(self, view: View) -> bool:
+        others = view.effective() - {self.me}
+        return any(r == view.round and kind == "part" and sender in others for r, _, kind, _, sender in self._inbox)
 
     def _view(self, round_: int, base: str) -> View:
         view = self._views.get(round_)

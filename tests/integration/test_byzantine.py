@@ -30,13 +30,20 @@ def _start(swarm, n: int, attackers: dict[int, str], tmp_path: Path, point: str 
     return peers
 
 
+def _story(peers: list) -> str:
+    """Every peer's rounds in one line each, for assertion messages: a flake must say what happened."""
+    def line(r: dict) -> str:
+        return f"r{r['round']}:{'void' if r['void'] else 'ok'}/{len(r['group'])}:{(r['why'] or '')[:60]}"
+    return "\n".join(f"{p.name}: " + " | ".join(line(r) for r in p.records()) for p in peers)
+
+
 def _completed_alike(honest: list, n_rounds: int) -> list[list[dict]]:
     """Per round: the honest peers' records, asserted completed (not void) and bit-identical."""
     rounds = []
     for round_ in range(n_rounds):
         records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
-        assert not any(r["void"] for r in records), [r["why"] for r in records]
-        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
+        assert not any(r["void"] for r in records), _story(honest)
+        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}\n{_story(honest)}"
         rounds.append(records)
     return rounds
 
@@ -51,8 +58,8 @@ def _check(peers: list, attackers: dict[int, str], tmp_path: Path, attributed: b
     for round_ in range(3):
         records = [next(r for r in p.records() if r["round"] == round_) for p in honest]
         # an attacker that also withholds its shard's result costs one deadline: void for all honest peers
-        assert len({r["void"] for r in records}) == 1, [r["why"] for r in records]
-        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}"
+        assert len({r["void"] for r in records}) == 1, _story(peers)
+        assert len({r["state_hash"] for r in records}) == 1, f"honest peers differ in round {round_}\n{_story(peers)}"
         assert round_ != 2 or not records[0]["void"], "the round after the attack did not complete"
     round1 = [next(r for r in p.records() if r["round"] == 1) for p in honest]
     if attributed:
