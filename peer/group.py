@@ -24,6 +24,8 @@ from .sybil import cap_by_prefix, first_prefix, observed_prefixes
 
 logger = logging.getLogger(__name__)
 POLL = 0.25  # seconds between DHT reads while the matchmaking window is open
+VIEW_ATTEMPTS = 3  # tries of one view request that fails fast (a dropped stream, a refused dial)
+FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tried again
 RECONCILE_PAUSE = 0.05  # seconds before asking again when a round of view requests changed nothing
 
 
@@ -152,11 +154,19 @@ class GroupFormation:
     async def _ask_view(self, view: View, peer: str) -> Reply | None:
         header = self._header("view", view.round, view.base, members=sorted(view.members),
                               excluded=sorted(view.excluded))
-        try:
-            reply, _ = await self._request(peer, header, b"", view.round)
-        except Exception as e:  # unreachable, refused, timed out, malformed, p2pd dial error: not in our group
-            logger.debug("view request to %s failed: %r", peer, e)
-            return None
+        for attempt in range(VIEW_ATTEMPTS):
+            started = time.monotonic()
+            try:
+                reply, _ = await self._request(peer, header, b"", view.round)
+                break
+            except Exception as e:  # unreachable, refused, timed out, malformed, p2pd dial error: not in our group
+                logger.debug("view request to %s failed (attempt %d): %r", peer, attempt + 1, e)
+                # Asking again is harmless (merging a view twice changes nothing). A stream that p2pd
+                # dropped at once is worth a retry: one such hiccup used to put a live peer in a
+                # group of its own. A request that ran into its timeout is not: the peer is stalled.
+                if attempt + 1 == VIEW_ATTEMPTS or time.monotonic() - started > FAST_FAILURE:
+                    return None
+                await asyncio.sleep(0.1 * (attempt + 1))
         if reply["type"] != "view_reply" or reply["base"] != view.base:
             return None
         return Reply(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hivetrain.dht.errors import DHTError, InvalidRecord, RunNotFound
@@ -19,7 +22,7 @@ from hivetrain.dht.records import (
 )
 
 from .config import RunSpec
-from .errors import ConfigError
+from .errors import ConfigError, PeerError
 
 SPEC_TTL = 7 * 86400.0  # seconds a signed spec stays in the DHT after its owner last signed it
 
@@ -75,6 +78,34 @@ def republish(dht: DHT, envelope: Envelope) -> None:
 def publish_heartbeat(dht: DHT, identity: Identity, run_key: str, ttl: float, **fields: Any) -> None:
     payload = encode_payload("hb", fields)
     dht.store(Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, time.time() + ttl))
+
+
+class HeartbeatPublisher:
+    """Publishes heartbeats on the DHT loop without making the caller wait.
+
+    A heartbeat is best effort, but a DHT store can hang for its whole timeout (seen in CI); done in
+    the training loop, that made a peer miss the next round's matchmaking and train alone. A newer
+    heartbeat supersedes a pending older one; a failed store is reported through ``warn``."""
+
+    def __init__(self, dht: DHT, identity: Identity, run_key: str, ttl: float, warn: Callable[[str], None]):
+        self.dht, self.identity, self.run_key, self.ttl, self.warn = dht, identity, run_key, ttl, warn
+        self._pending: concurrent.futures.Future[bool] | None = None
+
+    def __call__(self, **fields: Any) -> None:
+        try:
+            payload = encode_payload("hb", fields)
+        except (DHTError, PeerError) as e:  # a field our schema refuses: training goes on, the next round publishes again
+            self.warn(f"warning: heartbeat not published ({e})")
+            return
+        envelope = Envelope.sign(self.identity, "hb", heartbeat_key(self.run_key), payload, time.time() + self.ttl)
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pending = self.dht.submit(asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout))
+        self._pending.add_done_callback(self._report)
+
+    def _report(self, future: concurrent.futures.Future[bool]) -> None:
+        if not future.cancelled() and (e := future.exception()) is not None:
+            self.warn(f"warning: heartbeat not published ({type(e).__name__})")
 
 
 def read_heartbeats(dht: DHT, run_key: str) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hivetrain.dht.errors import DHTError
 from hivetrain.dht.node import DHT
 
 from . import checkpoint, transport
@@ -221,7 +222,7 @@ class StateKeeper:
     def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
         try:
             target = self.sync.check(round_, state_hash, self.history)
-        except PeerError as e:
+        except (PeerError, DHTError) as e:  # e.g. a DHT read past its timeout: train on, look again next round
             self.log(f"could not read the run's attestations ({e}); keeping our state this round")
             return None
         if target is None:
@@ -247,7 +248,7 @@ class StateKeeper:
             try:
                 seen = 1 + len({hb["peer_id"] for hb in read_heartbeats(self.sync.dht, self.sync.run_key)}
                                - {self.sync.dht.peer_id})
-            except PeerError:
+            except (PeerError, DHTError):  # a slow read: ask again until the deadline
                 pass
             if seen >= count or time.monotonic() >= deadline:
                 return seen

@@ -106,3 +106,21 @@ def test_a_slow_ready_record_store_does_not_hold_back_matchmaking(averagers) -> 
     b.dht.astore = slow_store  # type: ignore[method-assign]
     outcome, _ = _round([a, b, c], [0.0, 0.0, 0.0])
     _one_group_of_three(outcome)
+
+
+def test_a_dropped_view_request_is_asked_again(averagers) -> None:
+    """B's first view request to each peer fails at once, like a stream p2pd dropped (seen in CI:
+    one peer then trained alone for a round while the other three formed a group)."""
+    a, b, c = averagers(3)
+    request, failed = b._request, set()
+
+    async def flaky_request(peer: str, header: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if header["type"] == "view" and peer not in failed:
+            failed.add(peer)
+            raise ConnectionResetError("stream reset by p2pd")
+        return await request(peer, header, *args, **kwargs)
+
+    b._request = flaky_request  # type: ignore[method-assign]
+    outcome, _ = _round([a, b, c], [0.0, 0.0, 0.0])
+    assert failed, "B never asked for a view"
+    _one_group_of_three(outcome)

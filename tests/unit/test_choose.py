@@ -41,3 +41,18 @@ def test_equal_halves_break_the_tie_by_the_smaller_hash() -> None:
 def test_a_fragmented_run_still_converges() -> None:
     got = choose([hb("p1", 3, A), hb("p2", 3, B)], "me", 3, C, quorum=2)
     assert got is not None and got.hash == A
+
+
+def test_a_dht_timeout_at_a_round_boundary_keeps_our_state_and_training() -> None:
+    """A heartbeat read past its deadline used to escape catch_up and stop the peer."""
+    from hivetrain.dht.errors import DHTTimeout
+    from hivetrain.peer.state_sync import StateKeeper
+
+    class SlowDHTSync:
+        def check(self, *_: object) -> None:
+            raise DHTTimeout("DHT operation timed out after 15.0 s")
+
+    said: list[str] = []
+    keeper = StateKeeper(SlowDHTSync(), None, timeout=1.0, log=said.append)  # type: ignore[arg-type]
+    assert keeper.catch_up(3, "ab" * 32) is None
+    assert len(said) == 1 and "timed out" in said[0] and "keeping our state" in said[0], said

@@ -1,0 +1,85 @@
+"""HeartbeatPublisher (peer/run.py) against a real DHT node on 127.0.0.1: the training loop never
+waits for a heartbeat store, a newer heartbeat supersedes a hung one, and failures are reported."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hivetrain.dht.identity import Identity, make_run_key
+from hivetrain.dht.node import DHT, DHTOptions
+from hivetrain.peer.run import HeartbeatPublisher, read_heartbeats
+
+pytestmark = pytest.mark.timeout(60)
+HASH = "ab" * 32
+
+
+@pytest.fixture
+def dht() -> Iterator[DHT]:
+    node = DHT(DHTOptions(timeout=5.0)).start()
+    yield node
+    node.shutdown()
+
+
+def _fields(dht: DHT, round_: int) -> dict[str, Any]:
+    return dict(peer_id=dht.peer_id, round=round_, state_hash=HASH, throughput=1.0, train_loss=None, eval_loss=None)
+
+
+def _wait(condition: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_hung_store_does_not_block_and_a_newer_heartbeat_supersedes_it(dht: DHT) -> None:
+    run_key = make_run_key("hb", Identity.generate().public_key)
+    warnings: list[str] = []
+    publisher = HeartbeatPublisher(dht, Identity.generate(), run_key, 120.0, warnings.append)
+    store, release = dht.astore, threading.Event()
+    hung: list[bool] = []
+
+    cancelled: list[bool] = []
+
+    async def hanging_store(envelope: Any) -> bool:
+        hung.append(True)
+        try:
+            while not release.is_set():
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return await store(envelope)
+
+    dht.astore = hanging_store  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    publisher(**_fields(dht, 1))
+    assert time.monotonic() - t0 < 1.0  # returned at once, with the store still hanging
+    _wait(lambda: hung)
+    dht.astore = store  # type: ignore[method-assign]
+    publisher(**_fields(dht, 2))  # cancels the hung one
+    _wait(lambda: [h["round"] for h in read_heartbeats(dht, run_key)] == [2])
+    _wait(lambda: cancelled)  # the hung store was cancelled, not left to finish some time later
+    release.set()
+    assert warnings == []  # a superseded heartbeat is not a failure
+
+
+def test_a_failing_store_is_reported_and_a_bad_field_does_not_raise(dht: DHT) -> None:
+    run_key = make_run_key("hb", Identity.generate().public_key)
+    warnings: list[str] = []
+    publisher = HeartbeatPublisher(dht, Identity.generate(), run_key, 120.0, warnings.append)
+
+    async def broken_store(envelope: Any) -> bool:
+        raise ConnectionError("p2pd went away")
+
+    dht.astore = broken_store  # type: ignore[method-assign]
+    publisher(**_fields(dht, 1))
+    _wait(lambda: warnings)
+    assert warnings == ["warning: heartbeat not published (ConnectionError)"]
+    publisher(**{**_fields(dht, 1), "peer_id": "not a peer id"})
+    assert len(warnings) == 2 and "heartbeat not published" in warnings[1], warnings
