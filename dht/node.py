@@ -79,6 +79,7 @@ class DHT:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.loop.set_exception_handler(_quiet_dropped_streams)
         self.loop.run_forever()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -248,3 +249,15 @@ class DHT:
 
     def get(self, key: str, latest: bool = True, timeout: float | None = None) -> list[Envelope]:
         return self.run(self.aget(key, latest), timeout or self.options.timeout)
+
+
+def _quiet_dropped_streams(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The DHT loop's exception handler: a stream that p2pd closed before handing it over reaches
+    hivemind's handler as an IncompleteReadError in ``client_connected_cb`` and would print a
+    traceback into the user's log; the requester sees a failed request and retries. Logged at debug
+    level; everything else goes to asyncio's default handler."""
+    if isinstance(context.get("exception"), asyncio.IncompleteReadError) and "client_connected_cb" in str(
+            context.get("message", "")):
+        logger.debug("p2pd dropped an incoming stream before handing it over")
+        return
+    loop.default_exception_handler(context)
