@@ -46,8 +46,8 @@ class GroupFormation:
     def _header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _parts_from(self, view: View) -> bool:
-        """Whether a member of ``view`` already sent us a part of its round."""
+    def _parts_from(self, view: View) -> set[str]:
+        """The members of ``view`` (excluded or not, never banned) that already sent us a part of its round."""
         raise NotImplementedError
 
     async def _request(self, peer: str, header: dict[str, Any], body: bytes, round_: int,
@@ -106,11 +106,14 @@ class GroupFormation:
                 pass
         await self._cap_prefixes(view)
         agree_end = time.monotonic() + max(5.0, spec.matchmaking_timeout / 2)
+        checked: set[str] = set()
         while view.decided is None:
             if time.monotonic() > agree_end:
                 raise RoundFailed(f"no agreement on the group of round {view.round}")
             if self.me in view.excluded:
                 raise RoundFailed("excluded from the group by the other peers")
+            if await self._adopt_waiting_group(view, checked):
+                break
             asked = sorted(view.effective() - {self.me})
             if not asked:
                 view.decided = (self.me,)
@@ -123,9 +126,23 @@ class GroupFormation:
                         await asyncio.wait_for(view.changed.wait(), RECONCILE_PAUSE)
                     except TimeoutError:
                         pass
-        if len(view.decided) < spec.min_group_size:
-            raise RoundFailed(f"group of {len(view.decided)} is below the run's minimum of {spec.min_group_size}")
-        return group_order(view.decided, view.round, view.base)
+        group = view.decided
+        assert group is not None  # every way out of the loop above decides
+        if len(group) < spec.min_group_size:
+            raise RoundFailed(f"group of {len(group)} is below the run's minimum of {spec.min_group_size}")
+        return group_order(group, view.round, view.base)
+
+    async def _adopt_waiting_group(self, view: View, checked: set[str]) -> bool:
+        """A member that sent us its part has decided a group with us and waits for ours: ask it
+        directly and adopt its decision, even if our view excludes it. (A peer outside its group
+        excludes it on hearing "decided without you", and that exclusion reaches the group's own
+        members through view merging; they would then form another group and leave it to void.)"""
+        for peer in sorted(self._parts_from(view) - checked):
+            checked.add(peer)
+            reply = await self._ask_view(view, peer)
+            if view.decided is None and reply is not None and reply.decided and self.me in reply.members:
+                view.decided = tuple(sorted(reply.members))
+        return view.decided is not None
 
     async def _cap_prefixes(self, view: View) -> None:
         """Sybil brake: at most ``spec.max_per_prefix`` members per IPv4 /24 or IPv6 /48, as our own

@@ -4,8 +4,9 @@
    hash) in the DHT, then collects the ready peers with the same base state until the group
    reaches its target size or the matchmaking window closes. A part from a member of our view
    closes the window early: that member has already decided a group with us (its window ended
-   first) and waits for our part; waiting out our own window would leave it to void at its
-   deadline while we form another group.
+   first) and waits for our part. We ask it directly and adopt its decision, even if an exclusion
+   merged from a peer outside that group removed it from our view; otherwise it would void at its
+   deadline while we formed another group.
 2. Views are then reconciled peer to peer: each peer asks every member of its view for theirs,
    merging monotonically (members and excluded peers are both unions; a peer that does not answer
    is excluded). A peer decides when every member answered with exactly its own view. A member

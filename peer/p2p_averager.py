@@ -124,9 +124,10 @@ class P2PAverager(GroupFormation, AllReduce):
         for later in (self._evidence, self._views, self._bytes, self._groups_seen):  # kept one round longer
             _drop_rounds_before(later, round_ - 1)
 
-    def _parts_from(self, view: View) -> bool:
-        others = view.effective() - {self.me}
-        return any(r == view.round and kind == "part" and sender in others for r, _, kind, _, sender in self._inbox)
+    def _parts_from(self, view: View) -> set[str]:
+        return {sender for r, _, kind, _, sender in self._inbox
+                if r == view.round and kind == "part" and sender in view.members and sender != self.me
+                and sender not in self._banned}
 
     def _view(self, round_: int, base: str) -> View:
         view = self._views.get(round_)

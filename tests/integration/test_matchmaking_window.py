@@ -124,3 +124,18 @@ def test_a_dropped_view_request_is_asked_again(averagers) -> None:
     outcome, _ = _round([a, b, c], [0.0, 0.0, 0.0])
     assert failed, "B never asked for a view"
     _one_group_of_three(outcome)
+
+
+def test_an_exclusion_spread_by_an_outsider_does_not_split_a_decided_group(averagers) -> None:
+    """A has caught C earlier (banned) and decides {A, B} while B is still inside its window. C then
+    hears "decided without you" from A, excludes A, and its next view request spreads that
+    exclusion to B (views merge by union). B's view now holds only B; it used to decide alone
+    while A voided at its deadline (seen in CI with the per-prefix cap dropping one peer). A's part
+    shows B that A decided a group with it: B asks A directly and adopts that group."""
+    a, b, c = averagers(4)
+    a._banned[c.me] = "round -1: (test) caught earlier"
+    outcome, _ = _round([a, b, c], [0.0, 2.0, 0.0])
+    assert not isinstance(outcome["a"], RoundFailed) and not isinstance(outcome["b"], RoundFailed), outcome
+    assert outcome["a"].group == outcome["b"].group and set(outcome["a"].group) == {a.me, b.me}
+    assert torch.equal(outcome["a"].averaged, outcome["b"].averaged)
+    assert b._views[0].excluded >= {a.me, c.me}, b._views[0].excluded  # the spread really happened
