@@ -120,12 +120,11 @@ class GroupFormation:
                 break
             view.changed.clear()
             replies = await asyncio.gather(*(self._ask_view(view, peer) for peer in asked))
-            if view.decided is None and reconcile_step(view, dict(zip(asked, replies, strict=True))) is None:
-                if not view.changed.is_set():  # the others have yet to catch up: give them a moment, not a busy loop
-                    try:
-                        await asyncio.wait_for(view.changed.wait(), RECONCILE_PAUSE)
-                    except TimeoutError:
-                        pass
+            if reconcile_step(view, dict(zip(asked, replies, strict=True))) is None and not view.changed.is_set():
+                try:  # the others have yet to catch up: give them a moment, not a busy loop
+                    await asyncio.wait_for(view.changed.wait(), RECONCILE_PAUSE)
+                except TimeoutError:
+                    pass
         group = view.decided
         assert group is not None  # every way out of the loop above decides
         if len(group) < spec.min_group_size:

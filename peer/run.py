@@ -75,9 +75,14 @@ def republish(dht: DHT, envelope: Envelope) -> None:
     dht.store(envelope)
 
 
-def publish_heartbeat(dht: DHT, identity: Identity, run_key: str, ttl: float, **fields: Any) -> None:
+def heartbeat_envelope(identity: Identity, run_key: str, ttl: float, **fields: Any) -> Envelope:
+    """A signed heartbeat record; raises InvalidRecord for a field the schema refuses."""
     payload = encode_payload("hb", fields)
-    dht.store(Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, time.time() + ttl))
+    return Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, time.time() + ttl)
+
+
+def publish_heartbeat(dht: DHT, identity: Identity, run_key: str, ttl: float, **fields: Any) -> None:
+    dht.store(heartbeat_envelope(identity, run_key, ttl, **fields))
 
 
 class HeartbeatPublisher:
@@ -93,11 +98,10 @@ class HeartbeatPublisher:
 
     def __call__(self, **fields: Any) -> None:
         try:
-            payload = encode_payload("hb", fields)
+            envelope = heartbeat_envelope(self.identity, self.run_key, self.ttl, **fields)
         except (DHTError, PeerError) as e:  # a field our schema refuses: training goes on, the next round publishes again
             self.warn(f"warning: heartbeat not published ({e})")
             return
-        envelope = Envelope.sign(self.identity, "hb", heartbeat_key(self.run_key), payload, time.time() + self.ttl)
         if self._pending is not None:
             self._pending.cancel()
         self._pending = self.dht.submit(asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout))
