@@ -12,7 +12,7 @@ and every variant of seed s starts from ``build_model(preset, init_seed=s)``.
 
 * ``ddp``: one model; every step uses the mean of the N workers' gradients on their own batches (fp32),
   clipped, then one AdamW step (the peers' settings). This is what fp32 DDP computes.
-* ``diloco_fp32_H<H>`` / ``diloco_int8_H<H>``: N workers, each a real :class:`~hivetrain.peer.trainer.Trainer`
+* ``diloco_fp32_H<H>`` / ``diloco_int8_H<H>``: N workers, each a real :class:`~hivetrain.peer.train.loop.Trainer`
   (model, inner AdamW, ``inner_steps``, ``OuterState``) with its sampler replaced by the shared one above.
   Every H inner steps their pseudo-gradients are reduced by ``InMemoryHub(N, codec).all_reduce`` (the network
   averager's exact semantics: per-shard encode, fp32 reduce, one re-encode) and every worker applies the
@@ -48,11 +48,11 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.kernels.int8 import Codec, get_codec
-from hivetrain.peer.averager import InMemoryHub, shard_bounds
+from hivetrain.peer.averaging.api import InMemoryHub, shard_bounds
 from hivetrain.peer.config import PRESETS, RunSpec
-from hivetrain.peer.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.faults import FaultPlan
-from hivetrain.peer.trainer import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
+from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
+from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
 
 Batch = tuple[Tensor, Tensor]
 Log = Callable[[str], None]

@@ -7,11 +7,11 @@ Usage (from the repository root; setting (b) needs root for ``ip netns`` and ``t
 
 Every peer is its own OS process (``python -m bench.join --role donor|joiner``) with its own DHT and
 p2pd. ``max(--donors)`` donors start once per setting (the first bootstraps the others). Each builds a
-:class:`~hivetrain.peer.state.Snapshot` of the same synthetic state (seeded random master and momentum,
+:class:`~hivetrain.peer.state.snapshot.Snapshot` of the same synthetic state (seeded random master and momentum,
 ``numel = SIZE_MB * 1e6 / 8``, so every donor attests the same state hash), serves it through
-:class:`~hivetrain.peer.state_sync.StateSync` and publishes a heartbeat attesting ``(round, hash)``. The
+:class:`~hivetrain.peer.state.sync.StateSync` and publishes a heartbeat attesting ``(round, hash)``. The
 joiner joins the DHT, waits (bounded) until every donor's heartbeat is visible, builds the target with
-:func:`~hivetrain.peer.state_sync.choose`, and times ``StateSync.download(target, timeout)`` with the
+:func:`~hivetrain.peer.state.sync.choose`, and times ``StateSync.download(target, timeout)`` with the
 target's attesters cut to the first k donors, for each k in ``--donors``, ``--repeat`` times (interleaved),
 after one untimed warm-up download from all donors (a cold join; its time is reported apart).
 
@@ -98,7 +98,8 @@ def _busy_seconds() -> float:
 
 def _patch_constants(piece_kib: int | None, per_donor: int | None) -> None:
     """What-if knobs: patch StateSync's piece size / pieces in flight in this process only."""
-    from hivetrain.peer import state, state_sync
+    from hivetrain.peer.state import snapshot as state
+    from hivetrain.peer.state import sync as state_sync
 
     if piece_kib:
         state.PIECE_SIZE = piece_kib * 1024
@@ -120,9 +121,9 @@ def run_donor(args: argparse.Namespace) -> int:
     from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
     from hivetrain.peer.faults import FaultPlan
-    from hivetrain.peer.run import publish_heartbeat
-    from hivetrain.peer.state import Snapshot
-    from hivetrain.peer.state_sync import StateSync
+    from hivetrain.peer.runspec import publish_heartbeat
+    from hivetrain.peer.state.snapshot import Snapshot
+    from hivetrain.peer.state.sync import StateSync
 
     torch.set_num_threads(1)
     _patch_constants(args.piece_kib, None)
@@ -170,11 +171,11 @@ def run_donor(args: argparse.Namespace) -> int:
 
 def run_joiner(args: argparse.Namespace) -> int:
     from hivetrain.dht.node import DHT, DHTOptions
-    from hivetrain.peer import state_sync
     from hivetrain.peer.faults import FaultPlan
-    from hivetrain.peer.run import read_heartbeats
-    from hivetrain.peer.state import state_nbytes
-    from hivetrain.peer.state_sync import Attested, StateSync, StateSyncFailed, choose
+    from hivetrain.peer.runspec import read_heartbeats
+    from hivetrain.peer.state import sync as state_sync
+    from hivetrain.peer.state.snapshot import state_nbytes
+    from hivetrain.peer.state.sync import Attested, StateSync, StateSyncFailed, choose
 
     _patch_constants(args.piece_kib, args.per_donor)
     donor_ids: list[str] = args.donor_ids.split(",")

@@ -44,8 +44,8 @@ import torch
 
 from bench.codec import parse_counts
 from hivetrain.kernels.int8 import Codec, active_path, get_codec
-from hivetrain.peer.aggregation import CLIP, ITERS, _clip_weights, aggregate, outliers
-from hivetrain.peer.averager import shard_bounds
+from hivetrain.peer.averaging.aggregation import CLIP, ITERS, _clip_weights, aggregate, outliers
+from hivetrain.peer.averaging.api import shard_bounds
 
 HOWS = ("mean", "robust")
 COMPUTE_S_ASSUMED = 150.0  # seconds of compute per round: H = 500 inner steps x ~0.3 s (an assumption)

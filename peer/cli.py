@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import Any
 
-from .errors import ConfigError, PeerError
+from hivetrain.peer.errors import ConfigError, PeerError
 
 EXIT_USER_ERROR = 2
 
@@ -124,17 +124,16 @@ def cmd_start(args: argparse.Namespace) -> int:
     from hivetrain.dht.errors import DHTError
     from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
-
-    from . import checkpoint
-    from .config import PeerOptions, RunSpec
-    from .data import load_corpus
-    from .errors import StateMismatch
-    from .faults import FaultPlan
-    from .model import Llama, count_parameters
-    from .p2p_averager import P2PAverager
-    from .run import HeartbeatPublisher, fetch_spec, new_run, republish
-    from .state_sync import StateKeeper, StateSync
-    from .trainer import MetricsWriter, Trainer, TrainerParts
+    from hivetrain.peer.averaging.averager import P2PAverager
+    from hivetrain.peer.config import PeerOptions, RunSpec
+    from hivetrain.peer.errors import StateMismatch
+    from hivetrain.peer.faults import FaultPlan
+    from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
+    from hivetrain.peer.state import checkpoint
+    from hivetrain.peer.state.sync import StateKeeper, StateSync
+    from hivetrain.peer.train.data import load_corpus
+    from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
+    from hivetrain.peer.train.model import Llama, count_parameters
 
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
@@ -145,7 +144,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     )
     faults = FaultPlan.parse(options.fault, args.fault_log)
     if args.count_loopback_prefix:
-        from . import sybil
+        from hivetrain.peer.averaging import sybil
 
         sybil.COUNT_LOOPBACK = True
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "start":
             return cmd_start(args)
-        from .demo import run_demo
+        from hivetrain.peer.demo import run_demo
 
         return run_demo(args)
     except (PeerError, DHTError, CodecError) as e:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import ConfigError
+from hivetrain.peer.errors import ConfigError
 
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")

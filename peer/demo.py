@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any
 
-from .errors import ConfigError, PeerError
+from hivetrain.peer.errors import ConfigError, PeerError
 
 
 def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, str] | None) -> list[str]:
@@ -101,7 +101,7 @@ def summarize(workdir: str, n_peers: int) -> dict[str, Any]:
     finals = [pr[-1]["eval_loss"] for pr in rounds if pr and pr[-1]["eval_loss"] is not None]
     numel = starts[0]["numel"] if starts[0] else 0
     sent = {f"peer{i}": sum(r["bytes_sent"] for r in pr) for i, pr in enumerate(rounds)}
-    from .trainer import ring_allreduce_bytes
+    from hivetrain.peer.train.loop import ring_allreduce_bytes
 
     ddp = sum(r["inner_steps"] * ring_allreduce_bytes(numel, r["group_size"]) for r in rounds[0] if not r["void"])
     return {

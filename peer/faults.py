@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from hivetrain.peer.errors import ConfigError
 
 POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state",
           "parts", "results")

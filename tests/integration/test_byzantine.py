@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hivetrain.peer.averager import shard_bounds
+from hivetrain.peer.averaging.api import shard_bounds
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ import pytest
 
 from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.peer.run import HeartbeatPublisher, read_heartbeats
+from hivetrain.peer.runspec import HeartbeatPublisher, read_heartbeats
 
 pytestmark = pytest.mark.timeout(60)
 HASH = "ab" * 32

@@ -72,7 +72,7 @@ async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
     """Raw frames on the averaging protocol from a libp2p peer that is not part of the run."""
     from hivemind.p2p import P2P
 
-    from hivetrain.peer.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
+    from hivetrain.peer.net.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
 
     attacker = await P2P.create(initial_peers=[maddr])
     handler = f"hivetrain/avg/2/{spec_hash[:32]}"

@@ -19,10 +19,10 @@ import torch
 
 from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.node import DHT, DHTOptions
+from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.faults import FaultPlan
-from hivetrain.peer.p2p_averager import P2PAverager
 
 pytestmark = pytest.mark.timeout(120)
 WINDOW, DEADLINE = 8.0, 3.0

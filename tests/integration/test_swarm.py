@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hivetrain.peer.trainer import ring_allreduce_bytes
+from hivetrain.peer.train.loop import ring_allreduce_bytes
 
 from .conftest import run_cli
 

@@ -9,7 +9,7 @@ from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
 from hivetrain.dht.process import children_die_with_us
-from hivetrain.peer.sybil import observed_addrs, observed_prefixes
+from hivetrain.peer.averaging.sybil import observed_addrs, observed_prefixes
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 STRANGER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a valid peer id nobody here has

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hivetrain.kernels.int8 import get_codec
-from hivetrain.peer.aggregation import aggregate, mean, outliers, robust_mean
-from hivetrain.peer.averager import reduce_parts
+from hivetrain.peer.averaging.aggregation import aggregate, mean, outliers, robust_mean
+from hivetrain.peer.averaging.api import reduce_parts
 
 D = 20_000
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hivetrain.kernels.int8 import get_codec
-from hivetrain.peer.averager import (
+from hivetrain.peer.averaging.api import (
     AverageResult,
     InMemoryHub,
     group_hash,

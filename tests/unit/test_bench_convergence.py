@@ -19,10 +19,10 @@ from bench.convergence import (
 )
 from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer.config import ModelConfig, RunSpec
-from hivetrain.peer.data import Corpus, ShardSampler, split_documents
-from hivetrain.peer.diloco import copy_params_to_flat, flat_numel
-from hivetrain.peer.model import build_model
-from hivetrain.peer.trainer import ring_allreduce_bytes
+from hivetrain.peer.train.data import Corpus, ShardSampler, split_documents
+from hivetrain.peer.train.diloco import copy_params_to_flat, flat_numel
+from hivetrain.peer.train.loop import ring_allreduce_bytes
+from hivetrain.peer.train.model import build_model
 
 TINY_CFG = ModelConfig(256, 16, 1, 2, 32, 16)
 

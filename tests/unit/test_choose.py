@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hivetrain.peer.state_sync import choose
+from hivetrain.peer.state.sync import choose
 
 A, B, C, D = (c * 64 for c in "abcd")
 
@@ -46,7 +46,7 @@ def test_a_fragmented_run_still_converges() -> None:
 def test_a_dht_timeout_at_a_round_boundary_keeps_our_state_and_training() -> None:
     """A heartbeat read past its deadline used to escape catch_up and stop the peer."""
     from hivetrain.dht.errors import DHTTimeout
-    from hivetrain.peer.state_sync import StateKeeper
+    from hivetrain.peer.state.sync import StateKeeper
 
     class SlowDHTSync:
         def check(self, *_: object) -> None:

@@ -12,7 +12,7 @@ import pytest
 from hivetrain.peer.config import PRESETS, ModelConfig, PeerOptions, RunSpec
 from hivetrain.peer.errors import ConfigError
 from hivetrain.peer.faults import ACTIONS, POINTS, FaultPlan
-from hivetrain.peer.model import build_model, count_parameters
+from hivetrain.peer.train.model import build_model, count_parameters
 
 SMALL_MODEL = ModelConfig(256, 32, 1, 2, 64, 32)
 

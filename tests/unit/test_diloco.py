@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hivetrain.peer.config import ModelConfig
-from hivetrain.peer.diloco import (
+from hivetrain.peer.train.diloco import (
     OuterState,
     copy_flat_to_params,
     copy_params_to_flat,
@@ -17,7 +17,7 @@ from hivetrain.peer.diloco import (
     pseudo_gradient,
     state_hash,
 )
-from hivetrain.peer.model import build_model
+from hivetrain.peer.train.model import build_model
 
 TINY_CFG = ModelConfig(256, 32, 1, 2, 64, 32)
 f32 = np.float32

@@ -18,8 +18,8 @@ from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import decode, encoded_nbytes
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
-from hivetrain.peer.state import parse_manifest
-from hivetrain.peer.wire import MAGIC, PREFIX, ProtocolError, read_frame
+from hivetrain.peer.net.wire import MAGIC, PREFIX, ProtocolError, read_frame
+from hivetrain.peer.state.snapshot import parse_manifest
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from hivetrain.peer.matchmaking import Reply, View, reconcile_step
+from hivetrain.peer.averaging.views import Reply, View, reconcile_step
 
 BASE = "ab" * 32
 

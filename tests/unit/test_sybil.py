@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiaddr import Multiaddr
 
-from hivetrain.peer import sybil
-from hivetrain.peer.sybil import (
+from hivetrain.peer.averaging import sybil
+from hivetrain.peer.averaging.sybil import (
     MAX_ADDRS_PER_PEER,
     Probation,
     cap_by_prefix,
@@ -273,7 +273,7 @@ def test_a_malformed_entry_costs_only_itself() -> None:
 @pytest.mark.parametrize("error", [ConnectionRefusedError("daemon gone"), ValueError("bad multiaddr bytes"),
                                    asyncio.IncompleteReadError(b"", 4), RuntimeError("control failure")])
 def test_a_daemon_error_is_not_raised(error: BaseException, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("DEBUG", logger="hivetrain.peer.sybil")
+    caplog.set_level("DEBUG", logger="hivetrain.peer.averaging.sybil")
     assert asyncio.run(observed_prefixes(_FakeP2P(error=error), ["A", "B"])) == {"A": None, "B": None}
     assert "list_peers failed" in caplog.text
 

@@ -10,7 +10,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from hivetrain.peer.wire import MAGIC, MAX_GROUP, MAX_HEADER, PREFIX, ProtocolError, encode_frame, read_frame
+from hivetrain.peer.net.wire import (
+    MAGIC,
+    MAX_GROUP,
+    MAX_HEADER,
+    PREFIX,
+    ProtocolError,
+    encode_frame,
+    read_frame,
+)
 
 HEX = "0123456789abcdef" * 4
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import PeerError
+from hivetrain.peer.errors import PeerError
 
 MAGIC = b"HTW1"
 PREFIX = struct.Struct("<4sIQ")

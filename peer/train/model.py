@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import ModelConfig
+from hivetrain.peer.config import ModelConfig
 
 INIT_STD = 0.02
 

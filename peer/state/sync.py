@@ -24,13 +24,20 @@ from typing import Any
 
 from hivetrain.dht.errors import DHTError
 from hivetrain.dht.node import DHT
-
-from . import checkpoint, transport
-from .errors import PeerError, StateMismatch
-from .faults import FaultPlan
-from .run import read_heartbeats
-from .state import DIGEST_LEN, PIECE_SIZE, Snapshot, assemble, num_pieces, parse_manifest
-from .wire import ProtocolError, read_frame
+from hivetrain.peer.errors import PeerError, StateMismatch
+from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.net import transport
+from hivetrain.peer.net.wire import ProtocolError, read_frame
+from hivetrain.peer.runspec import read_heartbeats
+from hivetrain.peer.state import checkpoint
+from hivetrain.peer.state.snapshot import (
+    DIGEST_LEN,
+    PIECE_SIZE,
+    Snapshot,
+    assemble,
+    num_pieces,
+    parse_manifest,
+)
 
 logger = logging.getLogger(__name__)
 PIECE_TIMEOUT = 30.0  # seconds for one 1 MiB piece (a donor slower than ~35 KB/s is dropped)

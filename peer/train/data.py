@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .errors import DataError
+from hivetrain.peer.errors import DataError
 
 SEPARATOR = b"\n\n"
 HOLDOUT_EVERY = 10

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import StateMismatch
+from hivetrain.peer.errors import StateMismatch
 
 PIECE_SIZE = 1 << 20  # bytes per piece (1 MiB)
 DIGEST_LEN = 32

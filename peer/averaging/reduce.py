@@ -30,9 +30,8 @@ import torch
 
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
-
-from .aggregation import OUTLIER, aggregate, outliers
-from .errors import RoundFailed
+from hivetrain.peer.averaging.aggregation import OUTLIER, aggregate, outliers
+from hivetrain.peer.errors import RoundFailed
 
 DIGEST_HEX = 32  # hex characters of a part digest (128 bits of SHA-256)
 WRONG_AGGREGATE = "wrong aggregate"  # the verdict prefix that bans the reducer (see module doc)

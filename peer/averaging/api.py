@@ -20,9 +20,8 @@ from typing import Protocol
 import torch
 
 from hivetrain.kernels.int8 import Codec
-
-from .aggregation import aggregate
-from .errors import RoundFailed
+from hivetrain.peer.averaging.aggregation import aggregate
+from hivetrain.peer.errors import RoundFailed
 
 
 @dataclass(frozen=True)

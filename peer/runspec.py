@@ -20,9 +20,8 @@ from hivetrain.dht.records import (
     spec_key,
     strict_unpack,
 )
-
-from .config import RunSpec
-from .errors import ConfigError, PeerError
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.errors import ConfigError, PeerError
 
 SPEC_TTL = 7 * 86400.0  # seconds a signed spec stays in the DHT after its owner last signed it
 

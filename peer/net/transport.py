@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .wire import encode_frame, read_frame
+from hivetrain.peer.net.wire import encode_frame, read_frame
 
 
 async def request(p2p: Any, peer: str, handler_name: str, header: dict[str, Any], body: bytes,

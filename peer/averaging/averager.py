@@ -21,16 +21,15 @@ from hivetrain.dht.node import DHT
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec, get_codec
-
-from . import transport
-from .allreduce import DUPLICATE, AllReduce
-from .averager import AverageResult, shard_bounds
-from .errors import RoundFailed
-from .faults import FaultPlan
-from .group import GroupFormation
-from .matchmaking import View
-from .sybil import Probation
-from .wire import ProtocolError, read_frame
+from hivetrain.peer.averaging.allreduce import DUPLICATE, AllReduce
+from hivetrain.peer.averaging.api import AverageResult, shard_bounds
+from hivetrain.peer.averaging.matchmaking_io import GroupFormation
+from hivetrain.peer.averaging.sybil import Probation
+from hivetrain.peer.averaging.views import View
+from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.net import transport
+from hivetrain.peer.net.wire import ProtocolError, read_frame
 
 logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for one small request/ack exchange

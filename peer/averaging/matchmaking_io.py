@@ -16,11 +16,10 @@ from typing import Any
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT
 from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
-
-from .averager import group_order
-from .errors import RoundFailed
-from .matchmaking import Reply, View, reconcile_step
-from .sybil import cap_by_prefix, first_prefix, observed_prefixes
+from hivetrain.peer.averaging.api import group_order
+from hivetrain.peer.averaging.sybil import cap_by_prefix, first_prefix, observed_prefixes
+from hivetrain.peer.averaging.views import Reply, View, reconcile_step
+from hivetrain.peer.errors import RoundFailed
 
 logger = logging.getLogger(__name__)
 POLL = 0.25  # seconds between DHT reads while the matchmaking window is open

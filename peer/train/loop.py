@@ -17,14 +17,14 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
-from .averager import Averager
-from .config import RunSpec
-from .data import Corpus, ShardSampler, eval_batches, evaluate
-from .diloco import OuterState, copy_params_to_flat, state_hash
-from .errors import RoundFailed
-from .faults import FaultPlan
-from .model import build_model
-from .state import Snapshot
+from hivetrain.peer.averaging.api import Averager
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.state.snapshot import Snapshot
+from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
+from hivetrain.peer.train.diloco import OuterState, copy_params_to_flat, state_hash
+from hivetrain.peer.train.model import build_model
 
 
 class StateHooks(Protocol):

@@ -14,8 +14,8 @@ from typing import IO
 
 import msgpack
 
-from .errors import StateMismatch
-from .state import Snapshot, state_nbytes
+from hivetrain.peer.errors import StateMismatch
+from hivetrain.peer.state.snapshot import Snapshot, state_nbytes
 
 MAGIC = b"HTCK1\n"
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from .state import Snapshot
+from hivetrain.peer.state.snapshot import Snapshot
 
 
 def flat_numel(params: Iterable[torch.Tensor]) -> int:

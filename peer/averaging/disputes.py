@@ -23,9 +23,8 @@ import time
 from typing import Any
 
 from hivetrain.kernels.int8 import Codec
-
-from .averager import shard_bounds
-from .reduce import WRONG_AGGREGATE, audit_shard, digest
+from hivetrain.peer.averaging.api import shard_bounds
+from hivetrain.peer.averaging.reduce import WRONG_AGGREGATE, audit_shard, digest
 
 logger = logging.getLogger(__name__)
 SETTLE_SHARE = 0.5  # of the all-reduce deadline, for fetching and checking one accusation's evidence

@@ -30,13 +30,18 @@ import torch
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
-
-from .averager import group_hash, shard_bounds
-from .disputes import Disputes
-from .errors import RoundFailed
-from .faults import ATTACKS, FaultPlan, attack_part, attack_result
-from .reduce import WRONG_AGGREGATE, audit_shard, probation_claims, reduce_shard, result_hash
-from .sybil import Probation
+from hivetrain.peer.averaging.api import group_hash, shard_bounds
+from hivetrain.peer.averaging.disputes import Disputes
+from hivetrain.peer.averaging.reduce import (
+    WRONG_AGGREGATE,
+    audit_shard,
+    probation_claims,
+    reduce_shard,
+    result_hash,
+)
+from hivetrain.peer.averaging.sybil import Probation
+from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.faults import ATTACKS, FaultPlan, attack_part, attack_result
 
 logger = logging.getLogger(__name__)
 SEND_ATTEMPTS = 3  # deliveries of one message, within the all-reduce deadline
