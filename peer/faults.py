@@ -1,32 +1,38 @@
-"""Fault injection for tests, addressed by point and round: ``--fault kill@after_parts:2``.
+"""Faults and attacks for tests, injected from outside the protocol: ``--fault kill@after_parts:2``.
 
-A fault fires at most once. Before acting it appends one line to the peer's fault log (when
-one is set), so a test can assert that the fault really happened rather than guess.
+``FaultPlan.parse`` builds a ``Behaviour`` (peer/averaging/behaviour.py): the protocol asks it what
+to send at each point, and this one answers wrongly, or stops the process, at the planned point and
+round. Nothing in the protocol code knows about faults. A fault logs one line to the peer's fault
+log (when one is set) before it acts, so a test can assert that the fault really happened.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import struct
 import sys
 from dataclasses import dataclass
-from typing import Any
 
+import torch
+
+from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.averaging.reduce import Finding, FindingKind
 from hivetrain.peer.errors import ConfigError
 
 POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state",
           "parts", "results")
 # kill/stop/exit fire once at POINT:ROUND; the others stand from ROUND on: "corrupt" (a state donor
-# serving wrong bytes), the Byzantine part attacks below (at POINT "parts") and "wrongsum" (a reducer
-# that sends a wrong aggregate with honest commitments, at POINT "results"), "accuse" (an auditor that
-# calls every shard it audits a wrong aggregate, at POINT "results") and "replay" (a member that
-# sends its previous round's part messages verbatim instead of this round's, at POINT "parts")
+# serving wrong bytes, at POINT "serve_state"), the part attacks below (at POINT "parts"), "wrongsum"
+# (a reducer that sends a wrong aggregate, at POINT "results") and "accuse" (an auditor that calls
+# every shard it audits a wrong aggregate, at POINT "results")
 ATTACKS = ("nan", "huge", "flip", "const", "scale", "shortlen")
-ACTIONS = ("kill", "stop", "exit", "corrupt", "wrongsum", "accuse", "replay", *ATTACKS)
+ACTIONS = ("kill", "stop", "exit", "corrupt", "wrongsum", "accuse", *ATTACKS)
 
 
 @dataclass
-class FaultPlan:
+class FaultPlan(Behaviour):
     action: str | None = None
     point: str | None = None
     round: int = -1
@@ -64,7 +70,9 @@ class FaultPlan:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def fire(self, point: str, round_: int) -> None:
+    # ---- Behaviour ------------------------------------------------------------------------------
+
+    def at(self, point: str, round_: int) -> None:
         if self.fired or self.action not in ("kill", "stop", "exit") or (point, round_) != (self.point, self.round):
             return
         self.fired = True
@@ -76,13 +84,25 @@ class FaultPlan:
         else:
             sys.exit(3)
 
+    def parts(self, round_: int, parts: list[bytes], delta: torch.Tensor, bounds: list[tuple[int, int]],
+              codec: Codec) -> list[bytes]:
+        if self.action not in ATTACKS or not self.active("parts", round_):
+            return parts
+        return [attack_part(self.action, part, delta[a:b], codec) for part, (a, b) in zip(parts, bounds, strict=True)]
 
-def attack_part(action: str, honest: bytes, delta: Any, codec: Any) -> bytes:
+    def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int, codec: Codec) -> bytes:
+        if self.action != "wrongsum" or not self.active("results", round_):
+            return result
+        return attack_result(result, numel, codec)
+
+    def finding(self, round_: int, shard: int, finding: Finding | None) -> Finding | None:
+        if self.action != "accuse" or not self.active("results", round_):
+            return finding
+        return Finding(FindingKind.WRONG_AGGREGATE, "(fault injection) a false accusation")
+
+
+def attack_part(action: str, honest: bytes, delta: torch.Tensor, codec: Codec) -> bytes:
     """What a Byzantine member sends instead of ``honest`` (its encoded slice ``delta``)."""
-    import struct
-
-    import torch
-
     if action == "huge":
         return bytes(codec.encode(delta * 1e6))
     if action == "flip":
@@ -99,8 +119,9 @@ def attack_part(action: str, honest: bytes, delta: Any, codec: Any) -> bytes:
     raise ValueError(f"not an attack: {action}")
 
 
-def attack_result(honest: bytes, numel: int, codec: Any) -> bytes:
-    """What a cheating reducer sends instead of its result: the aggregate pushed 50 steps off."""
+def attack_result(honest: bytes, numel: int, codec: Codec) -> bytes:
+    """What a cheating reducer sends instead of its result: the aggregate shifted by its largest
+    magnitude (about 127 quantization steps)."""
     x = codec.decode(honest, numel)  # (numel,) fp32
     spread = float(x.abs().max()) or 1.0
     return bytes(codec.encode(x - spread))

@@ -80,3 +80,30 @@ class Trust:
     def trusted(self, round_: int) -> dict[str, float]:
         """Every peer with a positive weight at ``round_``."""
         return {p: w for p in self._peers if (w := self.weight(p, round_)) > 0}
+
+
+MAX_BANS = 4096  # peers we remember catching; the oldest ban is forgotten first
+
+
+class Bans:
+    """Peers we caught breaking the protocol, and why: never grouped with, nothing they send is used.
+    Bounded (fresh identities are free, so the oldest ban makes room); any thread that owns it."""
+
+    def __init__(self, max_bans: int = MAX_BANS):
+        self.max_bans = max_bans
+        self._why: dict[str, str] = {}
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._why
+
+    def __len__(self) -> int:
+        return len(self._why)
+
+    def ban(self, peer: str, why: str) -> None:
+        self._why.pop(peer, None)
+        self._why[peer] = why
+        while len(self._why) > self.max_bans:
+            del self._why[next(iter(self._why))]
+
+    def why(self, peer: str) -> str | None:
+        return self._why.get(peer)

@@ -1,299 +1,367 @@
-"""The all-reduce half of ``P2PAverager``: reduce-scatter, all-gather and the audit of every shard.
+"""One round's audited all-reduce for one group: reduce-scatter, all-gather, audit, agreement.
 
-For a decided group ``order`` (n members) of round r:
+For a decided group ``order`` (n members) of round r, every member:
 
-1. every member encodes its slice of shard k and sends it to member k (the reducer) and to member
-   k + 1 mod n (the auditor of shard k, when the run audits);
-2. reducer k validates and combines the parts of shard k (peer/reduce.py), sends the re-encoded
-   result with the digests of the parts it used to every member;
-3. auditor k + 1 recomputes shard k from its own copies and sends its verdict, with the hash of the
-   result it checked, to every member;
-4. members check any "wrong aggregate" accusation themselves on the auditor's evidence
-   (peer/disputes.py) and drop whoever is at fault;
-5. every member applies each shard whose verdict is positive and whose result is the one the
-   auditor checked; a shard its auditor rejects is void for the round (those parameters and their
-   momentum keep their values); a result that differs from the audited one voids our whole round.
+1. encodes its slice of shard k and sends it to member k (the reducer) and to member k + 1 mod n
+   (the auditor of shard k, when the run audits);
+2. as reducer of its shard, validates and combines the parts (peer/averaging/reduce.py) and sends
+   the re-encoded result, with the digests of the parts it used, signed, to every member;
+3. as auditor of the shard before its own, recomputes it from its own copies of the parts and
+   sends its signed verdict, with the hash of the result it checked, to every member;
+4. checks any "wrong aggregate" accusation itself on the auditor's evidence (peer/averaging/disputes.py);
+5. applies each shard whose verdict is positive and whose result is the one the auditor checked; a
+   shard its auditor rejects is void (those parameters and their momentum keep their values);
+6. tells every member the digest of what it applied, with the signed statements it holds: a member
+   whose digest disagrees with the majority of its group voids the round (and re-syncs at the next
+   boundary); a reducer or auditor that signed two different statements is caught and banned.
 
-All members that complete the round apply the same bytes. A member that fails anywhere raises
-RoundFailed at the deadline at the latest, like the others.
+A member that fails anywhere raises RoundFailed at the deadline at the latest, like the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.errors import CodecError
-from hivetrain.kernels.int8 import Codec
-from hivetrain.peer.averaging.api import group_hash, shard_bounds
-from hivetrain.peer.averaging.disputes import Disputes
+from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
-    WRONG_AGGREGATE,
+    Finding,
+    FindingKind,
+    ShardInputs,
     audit_shard,
+    digest,
     probation_claims,
     reduce_shard,
-    result_hash,
 )
-from hivetrain.peer.averaging.sybil import Probation
+from hivetrain.peer.averaging.session import RoundSession, Verdict
+from hivetrain.peer.averaging.statements import (
+    APPROVED,
+    NO_AUDIT,
+    REJECTED,
+    Statement,
+    applied_digest,
+    commitment,
+    pack_all,
+    result_message,
+    sign_result,
+    sign_verdict,
+    valid,
+    verdict_message,
+)
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.faults import ATTACKS, FaultPlan, attack_part, attack_result
+from hivetrain.peer.net.link import request
+from hivetrain.peer.net.wire import Code, reason
 
 logger = logging.getLogger(__name__)
-SEND_ATTEMPTS = 3  # deliveries of one message, within the all-reduce deadline
+SEND_ATTEMPTS = 3  # deliveries of one message that fail in transport, within the deadline
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
+RETRY_PAUSE = (0.05, 0.3)  # seconds: first and longest pause before sending again to a peer not ready yet
+FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
 
 
-class AllReduce(Disputes):
-    """Mixin: the attributes below are set by ``P2PAverager.__init__``."""
+@dataclass
+class Outcome:
+    averaged: torch.Tensor  # (numel,) fp32
+    applied: str  # applied_digest of what we apply
+    excluded: dict[str, str] = field(default_factory=dict)  # member -> why it was left out or caught
+    void_ranges: list[tuple[int, int]] = field(default_factory=list)
 
-    me: str
-    spec: Any
-    numel: int
-    codec: Codec
-    faults: FaultPlan
-    _inbox: dict[tuple[int, str, str, int, str], bytes]
-    _invalid: dict[tuple[int, str, int, str], str]
-    _excluded: dict[tuple[int, str, int], list[str]]
-    _commits: dict[tuple[int, str, int], list[str]]  # (round, group, shard) -> the reducer's part digests
-    _claims: dict[tuple[int, str, int], list[str]]  # (round, group, shard) -> the reducer's probation claims
-    _probation: Probation
-    _verdicts: dict[tuple[int, str, int, str], tuple[bool, str, str]]  # (round, group, shard, auditor) -> verdict
-    _banned: dict[str, str]
-    _round_excluded: dict[str, str]
-    _void_ranges: list[tuple[int, int]]
-    _stale: dict[int, dict[str, str]]
-    _active: tuple[int, str, tuple[str, ...], tuple[int, ...]] | None  # round, group, order, shards we receive
-    _part_log: list[tuple[str, dict[str, Any], bytes]]  # our last round's part messages (for the replay test hook)
-    _ef: ErrorFeedback | None
-    _arrived: asyncio.Event | None
 
-    async def _allreduce(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor) -> torch.Tensor:
-        deadline = time.monotonic() + self.spec.allreduce_timeout
+class AllReduceRunner:
+    """Runs the all-reduce of one ``RoundSession`` (on the link's loop)."""
+
+    def __init__(self, ctx: PeerContext, session: RoundSession):
+        self.ctx, self.session = ctx, session
+        self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
+
+    async def run(self, delta: torch.Tensor) -> Outcome:
+        s, ctx = self.session, self.ctx
         try:
-            averaged, excluded = await self._reduce_scatter_gather(round_, base, order, delta, deadline)
-            self._round_excluded = excluded
-            self._probation.record_completed(round_, order)
-            if self._ef is not None:
-                self._ef.commit()
-            return averaged
+            outcome = await self._run(delta)
         except RoundFailed as e:
-            if self._ef is not None:
-                self._ef.discard()
+            if ctx.ef is not None:
+                ctx.ef.discard()
+            self._punish()
             # The others of the group void this round at the deadline at the latest; leaving earlier
             # would put us alone into the next round's matchmaking. Void together, start together.
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            raise RoundFailed(str(e), {**self._round_excluded, **e.excluded}) from None
+            await asyncio.sleep(max(0.0, s.deadline - time.monotonic()))
+            raise RoundFailed(str(e), {**self.excluded, **e.excluded}) from None
+        if ctx.ef is not None:
+            ctx.ef.commit()
+        self._punish()
+        return outcome
 
-    def _audits(self, n: int) -> bool:
-        return bool(self.spec.audit) and n >= 2
+    def _punish(self) -> None:
+        for peer, why in self.session.culprits.items():
+            self.ctx.bans.ban(peer, f"round {self.session.round}: {why}")
+            self.excluded.setdefault(peer, why)
 
-    async def _reduce_scatter_gather(self, round_: int, base: str, order: tuple[str, ...], delta: torch.Tensor,
-                                     deadline: float) -> tuple[torch.Tensor, dict[str, str]]:
-        gh = group_hash(order, round_, base)
-        n = len(order)
-        bounds = shard_bounds(self.numel, n)
-        mine = order.index(self.me)
-        audited = (mine - 1) % n if self._audits(n) else None  # the shard we audit
-        self._active = (round_, gh, order, (mine,) if audited is None else (mine, audited))
-        self._mark_stale(round_)
-        loop = asyncio.get_running_loop()
-        parts = await loop.run_in_executor(None, self._encode_parts, delta, bounds)
-        if self.faults.action in ATTACKS and self.faults.active("parts", round_):  # test hook: a Byzantine member
-            parts = [attack_part(self.faults.action, part, delta[s:e], self.codec)
-                     for part, (s, e) in zip(parts, bounds, strict=True)]
-        self._inbox[(round_, gh, "part", mine, self.me)] = parts[mine]
-        sends = [(k, k, parts[k]) for k in range(n) if k != mine]
-        if audited is not None:
-            self._inbox[(round_, gh, "part", audited, self.me)] = parts[audited]
-            sends += [((k + 1) % n, k, parts[k]) for k in range(n) if (k + 1) % n != mine]
-        self.faults.fire("before_parts", round_)
-        if self.faults.action == "replay" and self.faults.active("parts", round_):  # test hook: a replaying member
-            await self._replay_last_parts(deadline)
-        else:
-            await self._send_all(round_, base, gh, "part", order, sends, deadline, strict=True)
-        self.faults.fire("after_parts", round_)
+    async def _run(self, delta: torch.Tensor) -> Outcome:
+        s, ctx = self.session, self.ctx
+        r, n = s.round, s.n
+        parts = await asyncio.to_thread(self._encode, delta)
+        parts = ctx.behaviour.parts(r, parts, delta, s.bounds, ctx.codec)
+        s.shards[s.mine].parts[ctx.me] = parts[s.mine]
+        sends = [(s.order[k], k, parts[k]) for k in range(n) if k != s.mine]
+        if s.audited is not None:
+            s.shards[s.audited].parts[ctx.me] = parts[s.audited]
+            sends += [(s.order[(k + 1) % n], k, parts[k]) for k in range(n) if (k + 1) % n != s.mine]
+        ctx.behaviour.at("before_parts", r)
+        await self._send_all([(peer, self._header("part", k, digest=digest(body)), body)
+                              for peer, k, body in sends], strict=True)
+        ctx.behaviour.at("after_parts", r)
 
-        await self._wait_for(lambda: self._have_parts(round_, gh, mine, order), deadline, f"parts of shard {mine}")
-        s, e = bounds[mine]
-        received, invalid = self._parts_of(round_, gh, mine, order)
-        claims = probation_claims(order, {p for p in order if p != self.me and self._probation.on_probation(p, round_)})
-        shard = await loop.run_in_executor(None, reduce_shard, received, invalid, order, e - s, self.codec,
-                                           self.spec.aggregation, claims)
-        for peer, why in shard.excluded.items():
-            self._banned[peer] = f"round {round_}: {why}"  # seen by us: never in our groups again
-        self._round_excluded.update(shard.excluded)
-        result = shard.result
-        if self.faults.action == "wrongsum" and self.faults.active("results", round_):  # test hook: a cheating reducer
-            result = attack_result(result, e - s, self.codec)
-        self._inbox[(round_, gh, "result", mine, self.me)] = result
-        self._excluded[(round_, gh, mine)] = sorted(shard.excluded)
-        self._commits[(round_, gh, mine)] = shard.digests
-        self._claims[(round_, gh, mine)] = shard.probation
-        self.faults.fire("before_results", round_)
-        await self._send_all(round_, base, gh, "result", order, [(k, mine, result) for k in range(n) if k != mine],
-                             deadline, strict=False, excluded=sorted(shard.excluded), parts=shard.digests,
-                             probation=shard.probation)
-        await self._wait_for(lambda: all((round_, gh, "result", k, p) in self._inbox for k, p in enumerate(order)),
-                             deadline, "results of every shard")
-        if audited is not None:
-            await self._audit(round_, base, gh, order, audited, deadline)
-            await self._wait_for(lambda: all((round_, gh, k, order[(k + 1) % n]) in self._verdicts for k in range(n)),
-                                 deadline, "audit verdicts of every shard")
-        averaged, excluded = self._gather(round_, gh, order, bounds)
-        if audited is not None:
-            await self._settle_accusations(round_, base, gh, order)
-            excluded.update(self._round_excluded)
-        return averaged, excluded
+        await s.wait_for(lambda: s.has_parts(s.mine), s.deadline, f"parts of shard {s.mine}")
+        await self._reduce()
+        ctx.behaviour.at("before_results", r)
+        await self._send_results()
+        await s.wait_for(lambda: all(sh.result is not None for sh in s.shards), s.deadline, "results of every shard")
+        if s.audited is not None:
+            await self._audit(s.audited)
+            await s.wait_for(lambda: all(sh.verdict is not None for sh in s.shards), s.deadline,
+                             "audit verdicts of every shard")
+        averaged, applied, voids, conflict = self._gather()
+        if s.audited is not None:
+            for peer, why in (await settle_accusations(ctx, s)).items():
+                ctx.bans.ban(peer, f"round {r}: {why}")
+                self.excluded[peer] = why
+        digest_hex = applied_digest(s.group, applied)
+        await self._agree(digest_hex)
+        if conflict:
+            raise RoundFailed(conflict)
+        return Outcome(averaged, digest_hex, self.excluded, voids)
 
-    def _mark_stale(self, round_: int) -> None:
-        """Leaves out, in the shards we reduce or audit this round, members that replayed old parts."""
-        if self._active is None or self._active[0] != round_:
-            return
-        _, gh, order, shards = self._active
-        for peer, why in self._stale.get(round_, {}).items():
-            if peer in order:
-                for shard in shards:
-                    self._invalid.setdefault((round_, gh, shard, peer), why)
-        assert self._arrived is not None
-        self._arrived.set()
+    # ---- steps ----------------------------------------------------------------------------------
 
-    async def _replay_last_parts(self, deadline: float) -> None:
-        """Test hook: sends our previous round's part messages again, verbatim, instead of this round's."""
-        for peer, header, body in self._part_log:
-            try:
-                await self._request(peer, header, body, self._active[0] if self._active else 0, deadline)
-            except Exception as e:
-                logger.info("replay to %s: %r", peer, e)
-
-    def _have_parts(self, round_: int, gh: str, shard: int, order: tuple[str, ...]) -> bool:
-        return all((round_, gh, "part", shard, p) in self._inbox or (round_, gh, shard, p) in self._invalid
-                   for p in order)
-
-    def _parts_of(self, round_: int, gh: str, shard: int,
-                  order: tuple[str, ...]) -> tuple[dict[str, bytes], dict[str, str]]:
-        received = {p: self._inbox[(round_, gh, "part", shard, p)] for p in order
-                    if (round_, gh, "part", shard, p) in self._inbox}
-        invalid = {p: self._invalid[(round_, gh, shard, p)] for p in order if (round_, gh, shard, p) in self._invalid}
-        return received, invalid
-
-    async def _audit(self, round_: int, base: str, gh: str, order: tuple[str, ...], shard: int, deadline: float) -> None:
-        """Checks shard ``shard`` of ``order[shard]`` and tells every member the verdict."""
-        n = len(order)
-        grace = AUDIT_GRACE * self.spec.allreduce_timeout
-        try:  # a member may withhold our copy: then the shard is unverifiable, not the round lost
-            await self._wait_for(lambda: self._have_parts(round_, gh, shard, order), deadline - grace, "audit copies")
-        except RoundFailed:
-            pass
-        result = self._inbox[(round_, gh, "result", shard, order[shard])]
-        received, invalid = self._parts_of(round_, gh, shard, order)
-        missing = [p for p in order if p not in received and p not in invalid]
-        s, e = shard_bounds(self.numel, n)[shard]
-        if missing:
-            why: str | None = f"unverifiable: no part from {', '.join(missing)} reached the auditor"[:300]
-        else:
-            commits = self._commits.get((round_, gh, shard), [])
-            claims = self._claims.get((round_, gh, shard), [])
-            why = await asyncio.get_running_loop().run_in_executor(
-                None, audit_shard, result, commits, received, invalid, order, e - s, self.codec, self.spec.aggregation,
-                claims)
-        if self.faults.action == "accuse" and self.faults.active("results", round_):  # test hook: a lying auditor
-            why = f"{WRONG_AGGREGATE}: (test hook) a false accusation"
-        if why is not None:
-            logger.warning("round %d: audit of shard %d (reducer %s): %s", round_, shard, order[shard], why)
-            if why.startswith(WRONG_AGGREGATE):
-                self._banned[order[shard]] = f"round {round_}: {why}"
-                self._keep_evidence(round_, gh, order, shard)
-        digest = result_hash(result)
-        self._verdicts[(round_, gh, shard, self.me)] = (why is None, digest, why or "")
-        await self._send_all(round_, base, gh, "audit", order, [(k, shard, b"") for k in range(n) if k != order.index(self.me)],
-                             deadline, strict=False, ok=why is None, result=digest, reason=(why or "")[:290])
-
-    def _gather(self, round_: int, gh: str, order: tuple[str, ...],
-                bounds: list[tuple[int, int]]) -> tuple[torch.Tensor, dict[str, str]]:
-        """Decodes every shard's result into one vector; applies the verdicts (see the module doc)."""
-        n = len(order)
-        averaged = torch.empty(self.numel, dtype=torch.float32)  # (n,) fp32
-        void: dict[str, str] = {}
-        self._void_ranges = []
-        for k, (s, e) in enumerate(bounds):
-            body = self._inbox[(round_, gh, "result", k, order[k])]
-            if self._audits(n):
-                auditor = order[(k + 1) % n]
-                ok, digest, why = self._verdicts[(round_, gh, k, auditor)]
-                if not ok:
-                    averaged[s:e] = 0.0
-                    self._void_ranges.append((s, e))
-                    void[order[k]] = f"shard {k} void: its auditor {auditor} found it {why}"[:300]
-                    continue
-                if digest != result_hash(body):
-                    raise RoundFailed(f"our result of shard {k} from {order[k]} is not the one its auditor checked")
-            try:
-                averaged[s:e] = self.codec.decode(body, e - s)
-            except CodecError as err:
-                raise RoundFailed(f"the result of shard {k} from {order[k]} is malformed: {err}") from None
-        if len(self._void_ranges) == n:
-            raise RoundFailed("every shard of the round failed its audit", void)
-        reported = {p: f"on probation (weight 0) in shard {k}" for k in range(n)
-                    for p in self._claims.get((round_, gh, k), [])}
-        reported.update({p: f"left out of shard {k} by {order[k]}" for k in range(n)
-                         for p in self._excluded.get((round_, gh, k), [])})
-        return averaged, {**reported, **void, **self._round_excluded}
-
-    def _encode_parts(self, delta: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bytes]:
-        """Encodes our slice for every shard (with error feedback if the run uses it); worker thread."""
-        source = self._ef.compensate(delta) if self._ef is not None else delta  # (n,) fp32
-        parts = [self.codec.encode(source[s:e].contiguous()) for s, e in bounds]
-        if self._ef is not None:
-            sent = torch.cat([self.codec.decode(part, e - s) for part, (s, e) in zip(parts, bounds, strict=True)])
-            self._ef.sent(source, sent)
+    def _encode(self, delta: torch.Tensor) -> list[bytes]:
+        """Our slice for every shard (with error feedback if the run uses it); worker thread."""
+        ef, codec, bounds = self.ctx.ef, self.ctx.codec, self.session.bounds
+        source = ef.compensate(delta) if ef is not None else delta  # (numel,) fp32
+        parts = [codec.encode(source[a:b].contiguous()) for a, b in bounds]
+        if ef is not None:
+            ef.sent(source, torch.cat([codec.decode(p, b - a) for p, (a, b) in zip(parts, bounds, strict=True)]))
         return parts
 
-    async def _send_all(self, round_: int, base: str, gh: str, kind: str, order: tuple[str, ...],
-                        sends: list[tuple[int, int, bytes]], deadline: float, strict: bool, **extra: Any) -> None:
-        """Sends each (member index, shard, body) of ``sends`` as a ``kind`` message."""
+    def _inputs(self, k: int) -> ShardInputs:
+        s = self.session
+        shard = s.shards[k]
+        start, end = s.bounds[k]
+        return ShardInputs(dict(shard.parts), dict(shard.invalid), s.order, end - start, self.ctx.codec,
+                           self.ctx.spec.aggregation)
 
-        if kind == "part":
-            self._part_log = []
+    async def _reduce(self) -> None:
+        s, ctx = self.session, self.ctx
+        newcomers = {p for p in s.order if p != ctx.me and ctx.trust.on_probation(p, s.round)}
+        claims = probation_claims(s.order, newcomers)
+        out = await asyncio.to_thread(reduce_shard, self._inputs(s.mine), claims)
+        for peer, why in out.excluded.items():  # invalid parts and outliers, seen by us: never grouped again
+            ctx.bans.ban(peer, f"round {s.round}: {why}")
+            self.excluded[peer] = why
+        mine = s.shards[s.mine]
+        mine.result, mine.result_hash = out.result, hashlib.sha256(out.result).hexdigest()
+        mine.commits, mine.claims, mine.excluded = out.digests, out.probation, sorted(out.excluded)
+        commit = commitment(mine.commits, mine.claims, mine.excluded)
+        mine.result_sig = sign_result(ctx.identity, s.where(s.mine), bytes.fromhex(mine.result_hash), commit)
 
-        async def send(k: int, shard: int, body: bytes) -> None:
-            header = self._header(kind, round_, base, group=gh, shard=shard, size=len(order), **extra)
-            if kind == "part":
-                self._part_log.append((order[k], header, body))
-            for attempt in range(SEND_ATTEMPTS):
-                try:
-                    ack, _ = await self._request(order[k], header, body, round_, deadline)
-                except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
-                    if attempt + 1 == SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
-                        raise RoundFailed(f"could not deliver our {kind} to {order[k]}: {e!r}"[:300]) from None
-                    await asyncio.sleep(0.2 * (attempt + 1))
-                    continue
-                if ack.get("ok", False) or ack.get("reason") == DUPLICATE:  # a retry of a delivered message
-                    return
-                raise RoundFailed(f"{order[k]} refused our {kind}: {ack.get('reason', '')}")
+    async def _send_results(self) -> None:
+        s, ctx = self.session, self.ctx
+        mine = s.shards[s.mine]
+        assert mine.result is not None
+        start, end = s.bounds[s.mine]
+        commit = commitment(mine.commits, mine.claims, mine.excluded)
+        sends = []
+        for peer in s.order:
+            if peer == ctx.me:
+                continue
+            body = ctx.behaviour.result_for(s.round, s.mine, peer, mine.result, end - start, ctx.codec)
+            result_hash = hashlib.sha256(body).digest()
+            sig = mine.result_sig if body == mine.result else sign_result(ctx.identity, s.where(s.mine), result_hash,
+                                                                          commit)
+            sends.append((peer, self._header("result", s.mine, result=result_hash.hex(), parts=mine.commits,
+                                             probation=mine.claims, excluded=mine.excluded, sig=sig.hex()), body))
+        await self._send_all(sends, strict=False)
 
-        results = await asyncio.gather(*(send(*s) for s in sends), return_exceptions=True)
+    async def _audit(self, k: int) -> None:
+        """Checks shard ``k`` of ``order[k]`` and tells every member the verdict."""
+        s, ctx = self.session, self.ctx
+        grace = AUDIT_GRACE * ctx.spec.allreduce_timeout
+        try:  # a member may withhold our copy: then the shard is unverifiable, not the round lost
+            await s.wait_for(lambda: s.has_parts(k), s.deadline - grace, "audit copies")
+        except RoundFailed:
+            pass
+        shard = s.shards[k]
+        assert shard.result is not None
+        missing = [p for p in s.order if p not in shard.parts and p not in shard.invalid]
+        finding: Finding | None
+        if missing:
+            finding = Finding(FindingKind.UNVERIFIABLE, reason(f"no part from {', '.join(missing)} reached us"))
+        else:
+            finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, self._inputs(k), shard.claims)
+        finding = ctx.behaviour.finding(s.round, k, finding)
+        if finding is not None:
+            logger.warning("round %d: audit of shard %d (reducer %s): %s: %s", s.round, k, s.order[k],
+                           finding.kind.value, finding.reason)
+            if finding.kind is FindingKind.WRONG_AGGREGATE:
+                ctx.bans.ban(s.order[k], f"round {s.round}: {finding.kind.value}: {finding.reason}")
+                shard.evidence = [shard.parts.get(p, b"") for p in s.order]
+        ok = finding is None
+        why = "" if finding is None else reason(f"{finding.kind.value}: {finding.reason}")
+        code = 0 if finding is None else FINDING_CODES[finding.kind]
+        result_hash = bytes.fromhex(shard.result_hash)
+        shard.verdict = Verdict(ok, shard.result_hash, code, why,
+                                sign_verdict(ctx.identity, s.where(k), ok, result_hash))
+        sends = []
+        for peer in s.order:
+            if peer == ctx.me:
+                continue
+            said = ctx.behaviour.verdict_for(s.round, k, peer, ok)
+            sig = shard.verdict.sig if said == ok else sign_verdict(ctx.identity, s.where(k), said, result_hash)
+            sends.append((peer, self._header("audit", k, ok=said, result=shard.result_hash, finding=code,
+                                             reason=why, sig=sig.hex()), b""))
+        await self._send_all(sends, strict=False)
+
+    def _gather(self) -> tuple[torch.Tensor, list[bytes | None], list[tuple[int, int]], str]:
+        """Decodes every shard's result into one vector, applying the verdicts (see the module doc).
+        Returns (averaged, per-shard applied result hash or None, void ranges, conflict or "")."""
+        s, codec = self.session, self.ctx.codec
+        averaged = torch.empty(s.numel, dtype=torch.float32)  # (numel,) fp32
+        applied: list[bytes | None] = []
+        voids: list[tuple[int, int]] = []
+        conflict = ""
+        for k, (start, end) in enumerate(s.bounds):
+            shard = s.shards[k]
+            assert shard.result is not None
+            verdict = shard.verdict
+            if verdict is not None and not verdict.ok:
+                averaged[start:end] = 0.0
+                voids.append((start, end))
+                applied.append(None)
+                self.excluded.setdefault(s.order[k], reason(f"shard {k} void: its auditor {s.auditor(k)} found it "
+                                                            f"{verdict.reason}"))
+                continue
+            if verdict is not None and verdict.result_hash != shard.result_hash:
+                conflict = conflict or f"our result of shard {k} from {s.order[k]} is not the one its auditor checked"
+            try:
+                averaged[start:end] = codec.decode(shard.result, end - start)
+            except CodecError as err:
+                raise RoundFailed(f"the result of shard {k} from {s.order[k]} is malformed: {err}") from None
+            applied.append(bytes.fromhex(shard.result_hash))
+        if len(voids) == s.n:
+            raise RoundFailed("every shard of the round failed its audit", dict(self.excluded))
+        for k, shard in enumerate(s.shards):
+            for p in shard.claims:
+                self.excluded.setdefault(p, f"on probation (weight 0) in shard {k}")
+            for p in shard.excluded:
+                self.excluded.setdefault(p, f"left out of shard {k} by {s.order[k]}")
+        return averaged, applied, voids, conflict
+
+    # ---- agreement after the round ------------------------------------------------------------
+
+    def _statements(self) -> list[Statement]:
+        out = []
+        for shard in self.session.shards:
+            verdict = shard.verdict
+            state = NO_AUDIT if verdict is None else APPROVED if verdict.ok else REJECTED
+            out.append(Statement(
+                bytes.fromhex(shard.result_hash), commitment(shard.commits, shard.claims, shard.excluded),
+                shard.result_sig, state, bytes.fromhex(verdict.result_hash) if verdict else bytes(32),
+                verdict.sig if verdict else bytes(64)))
+        return out
+
+    async def _agree(self, mine: str) -> None:
+        """Sends what we applied to every member, waits for a majority (or everyone, or the deadline),
+        convicts equivocating signers, and fails the round if a majority applied something else."""
+        s, ctx = self.session, self.ctx
+        ours = self._statements()
+        body = pack_all(ours)
+        header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine)
+        sends = asyncio.ensure_future(self._send_all([(p, header, body) for p in s.order if p != ctx.me], strict=False))
+
+        def settled() -> bool:
+            agree = 1 + sum(d == mine for d, _ in s.applied.values())
+            return 2 * agree > s.n or len(s.applied) == s.n - 1
+
+        try:
+            await s.wait_for(settled, s.deadline, "applied reports")
+        except RoundFailed:
+            pass  # the deadline: decide on what arrived
+        await sends
+        for member, (_, theirs) in list(s.applied.items()):
+            for culprit, why in self._compare(member, ours, theirs):
+                ctx.bans.ban(culprit, f"round {s.round}: {why}")
+                self.excluded.setdefault(culprit, why)
+        agree = 1 + sum(d == mine for d, _ in s.applied.values())
+        if 2 * agree <= s.n:  # a member not backed by a majority of its group applies nothing
+            others = Counter(d for d, _ in s.applied.values() if d != mine)
+            raise RoundFailed(f"only {agree} of {s.n} members applied what we did ({sum(others.values())} reported "
+                              "something else): void, and re-sync")
+
+    def _compare(self, member: str, ours: list[Statement], theirs: list[Statement]) -> Iterable[tuple[str, str]]:
+        """Who signed two different statements (the reducer or auditor), or forged one (``member``)."""
+        s = self.session
+        for k, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+            if t.result_sig != bytes(64) and (t.result_hash, t.commit) != (o.result_hash, o.commit):
+                message = result_message(s.where(k), t.result_hash, t.commit)
+                if valid(s.reducer(k), t.result_sig, message):
+                    yield s.reducer(k), f"signed two different results of shard {k} (equivocation)"
+                else:
+                    yield member, f"forwarded a result of shard {k} its reducer never signed"
+            auditor = s.auditor(k)
+            if auditor is not None and t.verdict != NO_AUDIT and (t.verdict, t.verdict_hash) != (o.verdict,
+                                                                                                   o.verdict_hash):
+                message = verdict_message(s.where(k), t.verdict == APPROVED, t.verdict_hash)
+                if valid(auditor, t.verdict_sig, message):
+                    yield auditor, f"signed two different verdicts on shard {k} (equivocation)"
+                else:
+                    yield member, f"forwarded a verdict on shard {k} its auditor never signed"
+
+    # ---- sending --------------------------------------------------------------------------------
+
+    def _header(self, kind: str, shard: int, **fields: Any) -> dict[str, Any]:
+        s = self.session
+        return self.ctx.header(kind, s.round, s.base, group=s.group, shard=shard, **fields)
+
+    async def _send_all(self, sends: list[tuple[str, dict[str, Any], bytes]], strict: bool) -> None:
+        results = await asyncio.gather(*(self._deliver(p, h, b) for p, h, b in sends), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and strict:
-            raise RoundFailed(f"could not deliver {kind}s: {errors[0]!r}"[:300])
+            raise errors[0] if isinstance(errors[0], RoundFailed) else RoundFailed(repr(errors[0]))
         for err in errors:  # a member that cannot get our message voids its own round; we can still finish
-            logger.info("round %d: %s delivery failed: %r", round_, kind, err)
+            logger.info("round %d: delivery failed: %r", self.session.round, err)
 
-    async def _wait_for(self, ready: Any, deadline: float, what: str) -> None:
-        assert self._arrived is not None
-        while not ready():
+    async def _deliver(self, peer: str, header: dict[str, Any], body: bytes) -> None:
+        """Delivers one message; waits (briefly, repeatedly) for a member that has not decided yet."""
+        deadline, kind = self.session.deadline, header["type"]
+        pause, failures = RETRY_PAUSE[0], 0
+        while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RoundFailed(f"deadline passed waiting for the {what}")
-            self._arrived.clear()
+                raise RoundFailed(f"deadline passed delivering our {kind} to {peer}")
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except TimeoutError:
-                pass
-
-
-DUPLICATE = "duplicate"
+                reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, body, remaining,
+                                         traffic=self.ctx.traffic)
+            except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
+                failures += 1
+                if failures >= SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
+                    raise RoundFailed(reason(f"could not deliver our {kind} to {peer}: {e!r}")) from None
+                await asyncio.sleep(0.2 * failures)
+                continue
+            code = reply.get("code") if reply.get("type") == "ack" else Code.MALFORMED
+            if code in (Code.OK, Code.DUPLICATE):
+                return
+            if code in (Code.NOT_READY, Code.BUSY) and time.monotonic() + pause < deadline:
+                await asyncio.sleep(pause)
+                pause = min(RETRY_PAUSE[1], 2 * pause)
+                continue
+            name = Code(code).name if code in Code._value2member_map_ else str(code)
+            raise RoundFailed(reason(f"{peer} refused our {kind}: {name} {reply.get('reason', '')}"))

@@ -1,88 +1,245 @@
-"""Leaderless group formation for one round.
+"""Who is in round r's group: the pure rules each peer applies to what it learned first-hand.
 
-1. Every peer ready for round r publishes a signed ``ready`` record (round, base state hash, spec
-   hash) in the DHT, then collects the ready peers with the same base state until the group
-   reaches its target size or the matchmaking window closes. A part from a member of our view
-   closes the window early: that member has already decided a group with us (its window ended
-   first) and waits for our part. We ask it directly and adopt its decision, even if an exclusion
-   merged from a peer outside that group removed it from our view; otherwise it would void at its
-   deadline while we formed another group.
-2. Views are then reconciled peer to peer: each peer asks every member of its view for theirs,
-   merging monotonically (members and excluded peers are both unions; a peer that does not answer
-   is excluded). A peer decides when every member answered with exactly its own view. A member
-   that already decided answers with its decision: a peer inside it adopts it, one outside drops
-   that member.
+A peer's view holds only first-hand knowledge:
 
-No peer's word decides membership for others. Should views still disagree, the group hash carried
-by every all-reduce message makes the round fail for the mismatched members: void, never mixed.
+- *candidates*: peers known to be ready for (round, base): a ready record signed by the peer's own
+  libp2p key (peer/averaging/ready.py), or the peer itself asking us or answering us for that
+  round and base over an authenticated stream. A peer named only in someone else's view is a
+  *hint*: we ask it ourselves before it can become a candidate. Nobody is a member on another's word.
+- *excluded*: peers we will not group with, and why: no answer, another base, our own caps (bans,
+  the per-prefix cap, newcomers kept a minority, at most MAX_GROUP), or a conflict (below).
+- *reports*: what each candidate last told us, first-hand.
+
+The group is decided when every member of our effective view (candidates minus excluded, us
+included) answered with exactly that view. Members that disagree because one *excludes* another
+(it cannot reach it, or its caps drop it) are reconciled without taking either's word: of the two,
+we drop the one with the lower priority (earned trust first, then a hash rank that nobody chooses),
+so a stranger that excludes an established member only removes itself. A decision another peer
+reports is adopted only if it contains us, lies inside our own effective view and passes our caps.
 """
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from hivetrain.peer.averaging.sybil import cap_by_prefix
+from hivetrain.peer.net.wire import MAX_GROUP
+
+Priority = Callable[[str], tuple[float, bytes]]  # smaller sorts first = kept first
+MAX_HINTS = 2 * MAX_GROUP  # peers named by others that we ask per round; names beyond are ignored
+STRIKES = 3  # sweeps a member may disagree with a view of ours that stands still, before we act ...
+PATIENCE = 1.5  # ... and seconds: a member slowed by a busy machine must not look like a liar
+
+
+@dataclass(frozen=True)
+class Report:
+    """One peer's answer to our view request (or its own request), as it stated it."""
+
+    members: frozenset[str]
+    excluded: frozenset[str]
+    decided: bool = False
+    ready: bool = True  # False: it is not forming this round's group from this base
+
+    def effective(self) -> frozenset[str]:
+        return self.members - self.excluded
 
 
 @dataclass
 class View:
-    """One peer's evolving view of round r's group. Lives on the DHT loop only."""
+    """One peer's evolving view of round r's group. Mutated only on the link's loop."""
 
     round: int
     base: str
     me: str
-    members: set[str] = field(default_factory=set)
-    excluded: set[str] = field(default_factory=set)
+    candidates: set[str] = field(default_factory=set)
+    excluded: dict[str, str] = field(default_factory=dict)  # peer -> why
+    reports: dict[str, Report] = field(default_factory=dict)
+    capped: dict[str, str] = field(default_factory=dict)  # left out by our caps now (recomputed, not sticky)
+    tried: set[str] = field(default_factory=set)  # hints we asked (bounded: named peers cost one ask each)
+    strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member -> (sweeps, since) of disagreement
     decided: tuple[str, ...] | None = None
     abandoned: bool = False  # the round failed for us: we answer "decided without you" from now on
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.members.add(self.me)
 
     def effective(self) -> frozenset[str]:
-        return frozenset(self.members - self.excluded)
+        return frozenset((self.candidates | {self.me}) - set(self.excluded) - set(self.capped))
 
-    def merge(self, members: list[str], excluded: list[str]) -> bool:
-        """Union with another peer's view; returns True if ours changed."""
-        before = (len(self.members), len(self.excluded))
-        self.members.update(members)
-        self.excluded.update(p for p in excluded if p != self.me)
-        grew = before != (len(self.members), len(self.excluded))
-        if grew:
-            self.changed.set()
-        return grew
+    def add(self, peer: str) -> bool:
+        """A peer known first-hand to be ready; returns True if the view grew."""
+        if peer == self.me or peer in self.candidates or len(self.candidates) >= 4 * MAX_GROUP:
+            return False  # the cap bounds memory; which peers count is decided by the caps on effective()
+        self.candidates.add(peer)
+        return True
 
-    def exclude(self, peer: str) -> None:
-        if peer != self.me and peer not in self.excluded:
-            self.excluded.add(peer)
-            self.changed.set()
+    def exclude(self, peer: str, why: str) -> bool:
+        """Leaves ``peer`` out for good (first-hand: it failed us, or a disagreement we resolved)."""
+        if peer == self.me or peer in self.excluded:
+            return False
+        self.excluded[peer] = why
+        self.capped.pop(peer, None)
+        return True
+
+
+def rank(round_: int, base: str, peer: str) -> bytes:
+    """A per-round hash rank: shared by all members, chosen by nobody (not even by joining late)."""
+    return hashlib.sha256(f"rank/{round_}/{base}/{peer}".encode()).digest()
+
+
+def priority(round_: int, base: str, weight: Callable[[str], float]) -> Priority:
+    """Earned trust first (higher is kept), then the hash rank."""
+    return lambda peer: (-weight(peer), rank(round_, base, peer))
 
 
 @dataclass(frozen=True)
-class Reply:
-    members: frozenset[str]
-    excluded: frozenset[str]
-    decided: bool
+class Caps:
+    """Our own limits on a group's members (see the module doc)."""
+
+    me: str
+    priority: Priority
+    newcomer: Callable[[str], bool]  # on probation: never completed a round with us (and we have a history)
+    prefixes: Mapping[str, str | None]  # as our own connections see them; None: exempt
+    max_per_prefix: int
+    banned: Callable[[str], bool]
+    max_size: int = MAX_GROUP
+
+    def apply(self, members: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+        """(kept: us first, then the others in priority order; {dropped: why})."""
+        ordered = sorted(set(members) - {self.me}, key=self.priority)
+        dropped = {p: "banned: we caught it misbehaving" for p in ordered if self.banned(p)}
+        ordered = [p for p in ordered if p not in dropped]
+        if self.max_per_prefix > 0:
+            position = {p: i + 1 for i, p in enumerate(ordered)}  # within a prefix, the higher priority stays
+            _, capped = cap_by_prefix([self.me, *ordered], self.prefixes, self.max_per_prefix,
+                                      lambda p: position.get(p, 0).to_bytes(4, "big"))
+            dropped.update({p: f"not grouped: {why}" for p, why in capped.items() if p != self.me})
+            ordered = [p for p in ordered if p not in dropped]
+        established = 1 + sum(not self.newcomer(p) for p in ordered)
+        allowed = max(established - 1, 1)  # newcomers stay fewer than half (a pair of two is the exception)
+        for p in [p for p in ordered if self.newcomer(p)][allowed:]:
+            dropped[p] = "newcomer: newcomers are kept fewer than half of a group"
+        ordered = [p for p in ordered if p not in dropped]
+        for p in ordered[self.max_size - 1:]:
+            dropped[p] = f"more than {self.max_size} members"
+        return [self.me, *ordered[: self.max_size - 1]], dropped
+
+    def accepts(self, group: Iterable[str]) -> bool:
+        return not self.apply(group)[1]
 
 
-def reconcile_step(view: View, replies: dict[str, Reply | None]) -> tuple[str, ...] | None:
-    """Folds one round of replies into ``view``; returns the decided group, or None to ask again.
+def resolve_disagreement(view: View, disagree: Collection[str], order: Priority) -> tuple[str, str]:
+    """Members whose reports kept differing from our standing view: leaves out the one member whose
+    departure reconciles the most of them (the rest must then match our view without it); ties go
+    to a member that disagrees itself, then to the lower priority. A stranger that excludes an
+    honest member thus only removes itself, and so does a peer answering with a view it never
+    converges on. Returns (who left, why); mutates ``view``."""
+    members = view.effective()
 
-    ``replies`` maps each other member of the view (as it was when asked) to its reply, or None if
-    it did not answer in time."""
-    asked = frozenset(replies) | {view.me}  # the view as it was when asked: handlers may grow it meanwhile
+    def remaining(gone: str) -> int:
+        rest = members - {gone}
+        return sum(1 for m in disagree if m != gone and (r := view.reports.get(m)) is not None and r.effective() != rest)
+
+    suspects = set(disagree)
+    for m in disagree:
+        report = view.reports.get(m)
+        if report is not None:
+            suspects |= members - report.effective()
+    suspects.discard(view.me)
+    rank_of = {p: i for i, p in enumerate(sorted(suspects, key=order))}  # 0: the highest priority
+    loser = min(suspects, key=lambda p: (remaining(p), p not in disagree, -rank_of[p]))
+    why = f"its view and ours did not converge in {STRIKES} sweeps and {PATIENCE:g} s"
+    view.exclude(loser, why)
+    return loser, why
+
+
+@dataclass(frozen=True)
+class Step:
+    """The outcome of folding one sweep of replies into a view."""
+
+    decided: tuple[str, ...] | None = None
+    hints: frozenset[str] = frozenset()  # peers others named that we have not asked yet
+
+
+def settle(view: View, caps: Caps) -> frozenset[str]:
+    """Applies our caps to the view (exclusions are deterministic and only grow); returns the
+    effective view, which then has at most ``caps.max_size`` members."""
+    kept, dropped = caps.apply((view.candidates | {view.me}) - set(view.excluded))
+    view.capped = dropped
+    return frozenset(kept)
+
+
+def outgoing(view: View, caps: Caps) -> Report:
+    """What we tell others of our view: our effective members, and the peers of interest we exclude
+    (candidates and reporters), each list at most ``MAX_GROUP`` long, highest priority first."""
+    effective = settle(view, caps)
+    interest = (view.candidates | set(view.reports)) & (set(view.excluded) | set(view.capped))
+    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]))
+
+
+def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None], caps: Caps, now: float) -> Step:
+    """Folds the replies to one sweep of view requests (sent to ``asked``: our effective view minus
+    us, at the time) into ``view``; returns the decision, if any, and the peers to ask next.
+
+    Hints (peers others name) are asked once each, at most MAX_HINTS per round. A member whose
+    answer differs from a view of ours that stood still for STRIKES sweeps and PATIENCE seconds
+    (``now`` is monotonic seconds) is dealt with (``resolve_disagreement``): nothing honest
+    disagrees that long, and a peer that answers with a view it never converges on must not stall
+    the others until their deadline."""
+    named: set[str] = set()
+    known = view.candidates | set(view.excluded) | view.tried | {view.me}
     for peer, reply in replies.items():
         if reply is None:
-            view.exclude(peer)
+            view.exclude(peer, "did not answer our view request")
+            continue
+        view.reports[peer] = reply
+        if not reply.ready:
+            view.exclude(peer, "not forming this round's group from our base")
+        elif reply.decided and view.me not in reply.members:
+            view.exclude(peer, "decided without us")
         elif reply.decided:
-            if view.me in reply.members:
-                view.decided = tuple(sorted(reply.members))
-                return view.decided
-            view.exclude(peer)
+            group = reply.members
+            if group <= view.effective() and caps.accepts(group):
+                view.decided = tuple(sorted(group))
+                return Step(view.decided)
+            if not group - known or len(view.tried) >= MAX_HINTS:
+                view.exclude(peer, "decided a group we cannot accept")
+            named.update(group - known)
         else:
-            view.merge(sorted(reply.members), sorted(reply.excluded))
-    unanimous = all(r is not None and not r.decided and r.members - r.excluded == asked for r in replies.values())
-    if unanimous and view.effective() == asked:
-        view.decided = tuple(sorted(asked))
-        return view.decided
-    return None
+            named.update(reply.members - known)
+    hints = frozenset(sorted(named, key=caps.priority)[: max(0, MAX_HINTS - len(view.tried))])
+    view.tried.update(hints)
+    members = settle(view, caps)
+    everyone = asked | {view.me}
+    disagree = [p for p, r in replies.items() if p in members and (r is None or r.decided or r.effective() != everyone)]
+    if not disagree and not hints and members == everyone:
+        view.decided = tuple(sorted(members))
+        return Step(view.decided)
+    if hints or members != everyone:  # our view moved: everyone gets time to catch up with it
+        view.strikes.clear()
+        return Step(None, hints)
+    for peer in disagree:
+        sweeps, since = view.strikes.get(peer, (0, now))
+        view.strikes[peer] = (sweeps + 1, since)
+    ripe = [p for p in disagree if view.strikes[p][0] >= STRIKES and now - view.strikes[p][1] >= PATIENCE]
+    if ripe:
+        resolve_disagreement(view, ripe, caps.priority)
+        view.strikes.clear()
+    return Step(None, hints)
+
+
+def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -> Report:
+    """Our reply to ``sender``'s view request for ``view``'s round (None: we have no view for it).
+    A sender asking with our round and base is ready first-hand: it becomes a candidate (it still
+    has to pass our caps)."""
+    if view is None or caps is None:
+        return Report(frozenset(), frozenset(), decided=False, ready=False)
+    if view.abandoned:
+        return Report(frozenset(), frozenset(), decided=True)
+    if view.decided is not None:
+        return Report(frozenset(view.decided), frozenset(), decided=True)
+    if caps.banned(sender):
+        view.exclude(sender, "banned: we caught it misbehaving")
+    else:
+        view.add(sender)
+        view.reports[sender] = request
+    return outgoing(view, caps)

@@ -1,81 +1,124 @@
-"""Wire format of the averaging protocol: one checked frame per message.
+"""Wire format of the averaging and state protocols: one checked frame per message.
 
-    b"HTW1" | header_len: u32 LE | body_len: u64 LE | header: msgpack map | body: raw bytes
+    b"HTW3" | header_len: u32 LE | body_len: u64 LE | header: msgpack map | body: raw bytes
 
-The header is a flat msgpack map with a fixed schema per message type (no ext types, no nesting
-beyond one list of peer ids); the body is codec bytes whose exact length the receiver computes
-itself before reading. Every read has a deadline.
+The header is a flat msgpack map with a fixed schema per message type (no ext types, no binary,
+no nesting beyond one list of peer ids or digests). A frame with a body is sent in two steps
+(peer/net/link.py): the receiver reads the prefix and the header, decides from them alone whether
+it wants a body of exactly ``body_len`` bytes, and says so before a single body byte is sent.
+Every read has a deadline. Answers carry a ``Code``, never a reason to parse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
+from hivetrain.dht.identity import PEER_ID_RE
 from hivetrain.peer.errors import PeerError
 
-MAGIC = b"HTW1"
+MAGIC = b"HTW3"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 16 * 1024
-MAX_GROUP = 64
+MAX_GROUP = 64  # members of one group, and peer ids in one list
+MAX_REASON = 280  # characters of a human-readable reason
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX128 = re.compile(r"^[0-9a-f]{128}$")
 _DIGEST = re.compile(r"^(?:[0-9a-f]{32})?$")
-_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58
 
 
 class ProtocolError(PeerError):
     """A peer sent a malformed, oversized, out-of-order or foreign message."""
 
 
+class Code(enum.IntEnum):
+    """What a receiver says about a message (``ack.code``)."""
+
+    OK = 0
+    CONTINUE = 1  # the header is accepted: send the body now
+    DUPLICATE = 2  # the same message arrived before (a retry after a lost ack): nothing to do
+    NOT_READY = 3  # no session for that group here yet (still matchmaking): send again shortly
+    WRONG_GROUP = 4  # we decided another group for that round
+    NOT_MEMBER = 5  # the sender is not a member of that group
+    WRONG_ROLE = 6  # the sender does not hold the role this message needs (reducer, auditor)
+    WRONG_SIZE = 7  # the body is not the exact size this message has
+    STALE = 8  # a round that is over here
+    FOREIGN = 9  # another run spec, another base state, or a round far from ours
+    EQUIVOCATION = 10  # a different message where the sender already sent one
+    BUSY = 11  # too many streams from this peer, or in all
+    MALFORMED = 12  # a header or body that does not parse or check
+    BANNED = 13  # we caught the sender misbehaving: nothing from it is used
+    NO_EVIDENCE = 14  # no evidence held for that shard
+    INTERNAL = 15  # a bug on the receiving side
+
+
+def reason(text: str) -> str:
+    """A reason cut to what the wire carries."""
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
+
+
 def _hex64(v: Any) -> bool:
     return isinstance(v, str) and bool(_HEX64.fullmatch(v))
 
 
-def _int(v: Any, lo: int = 0, hi: int = 2**62) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+def _sig(v: Any) -> bool:
+    return isinstance(v, str) and bool(_HEX128.fullmatch(v))
 
 
-def _digests(v: Any) -> bool:  # per member: a part digest (peer/reduce.py), or "" where none arrived
+def _int(lo: int = 0, hi: int = 2**62) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_REASON
+
+
+def _digests(v: Any) -> bool:  # per member: a part digest (peer/averaging/reduce.py), or "" where none arrived
     return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in v)
 
 
 def _peers(v: Any) -> bool:
-    return (isinstance(v, list) and len(v) <= MAX_GROUP
-            and all(isinstance(p, str) and _PEER_ID.fullmatch(p) for p in v))
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(p, str) and PEER_ID_RE.fullmatch(p) for p in v)
 
 
-_COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int, "base": _hex64}
-SCHEMAS: dict[str, dict[str, Any]] = {
-    # matchmaking: the sender's current view of the group for this round
+_SHARD = _int(0, MAX_GROUP - 1)
+_COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(), "base": _hex64}
+_SESSION = {**_COMMON, "group": _hex64}
+SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with)
     "view": {**_COMMON, "members": _peers, "excluded": _peers},
-    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": lambda v: isinstance(v, bool)},
-    # reduce-scatter: the sender's encoded slice for shard ``shard``
-    "part": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-             "size": lambda v: _int(v, 1, MAX_GROUP)},
-    # all-gather: the reducer's re-encoded result for shard ``shard``, with the digests of the parts it got
-    # and the members it gave weight 0 (probation)
-    "result": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-               "size": lambda v: _int(v, 1, MAX_GROUP), "excluded": _peers, "parts": _digests,
-               "probation": _peers},
-    # audit: the verdict of shard ``shard``'s auditor on the result with SHA-256 ``result``
-    "audit": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-              "size": lambda v: _int(v, 1, MAX_GROUP), "ok": lambda v: isinstance(v, bool), "result": _hex64,
-              "reason": lambda v: isinstance(v, str) and len(v) < 300},
+    # ready: whether the replier is forming that round's group from that base; decided: members is its group
+    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool},
+    # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor)
+    "part": {**_SESSION, "shard": _SHARD, "digest": lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v))
+             and len(v) == 32},
+    # all-gather: the reducer's re-encoded result of its shard, the digests of the parts it used (per member),
+    # the members it gave weight 0 (probation) and left out, signed by the reducer (peer/averaging/statements.py)
+    "result": {**_SESSION, "shard": _SHARD, "result": _hex64, "parts": _digests, "probation": _peers,
+               "excluded": _peers, "sig": _sig},
+    # audit: the auditor's signed verdict on the result with SHA-256 ``result``; finding: 0 none, else its kind
+    "audit": {**_SESSION, "shard": _SHARD, "ok": _bool, "result": _hex64, "finding": _int(0, 2), "reason": _text,
+              "sig": _sig},
     # disputes: a member asks the auditor of shard ``shard`` for its copy of member ``index``'s part
-    "evidence_req": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-                     "index": lambda v: _int(v, 0, MAX_GROUP - 1)},
-    "evidence": {**_COMMON, "group": _hex64, "shard": lambda v: _int(v, 0, MAX_GROUP - 1),
-                 "index": lambda v: _int(v, 0, MAX_GROUP - 1), "ok": lambda v: isinstance(v, bool)},
+    "evidence_req": {**_SESSION, "shard": _SHARD, "index": _SHARD},
+    "evidence": {**_SESSION, "shard": _SHARD, "index": _SHARD, "ok": _bool},
+    # after the round: the digest of what the sender applied; the body holds its signed statements per shard
+    "applied": {**_SESSION, "digest": _hex64},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
-    "state_req": {**_COMMON, "index": lambda v: _int(v, -1, 2**31)},
-    "state_resp": {**_COMMON, "index": lambda v: _int(v, -1, 2**31), "ok": lambda v: isinstance(v, bool),
-                   "reason": lambda v: isinstance(v, str) and len(v) < 300},
-    "ack": {**_COMMON, "ok": lambda v: isinstance(v, bool), "reason": lambda v: isinstance(v, str) and len(v) < 300},
+    "state_req": {**_COMMON, "index": _int(-1, 2**31)},
+    "state_resp": {**_COMMON, "index": _int(-1, 2**31), "ok": _bool, "reason": _text},
+    "ack": {**_COMMON, "code": _int(0, max(Code)), "reason": _text},
 }
 
 
@@ -91,31 +134,36 @@ def check_header(header: Any) -> dict[str, Any]:
     return header
 
 
-def encode_frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+def encode_header(header: dict[str, Any], body_len: int = 0) -> bytes:
+    """The prefix and the header of a frame whose body (sent separately) has ``body_len`` bytes."""
     raw = msgpack.packb(check_header(header), use_bin_type=True)
-    return PREFIX.pack(MAGIC, len(raw), len(body)) + raw + body
+    return PREFIX.pack(MAGIC, len(raw), body_len) + raw
+
+
+def encode_frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    return encode_header(header, len(body)) + body
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolError("msgpack ext types are not allowed")
 
 
-async def read_frame(
-    reader: asyncio.StreamReader, timeout: float, max_body: int
-) -> tuple[dict[str, Any], bytes]:
-    """Reads one frame within ``timeout`` seconds; the body may be at most ``max_body`` bytes.
-
-    Raises ProtocolError for anything malformed and asyncio.TimeoutError past the deadline."""
+def _check_timeout(timeout: float) -> None:
     if not math.isfinite(timeout) or timeout <= 0:
         raise TimeoutError()
+
+
+async def read_header(reader: asyncio.StreamReader, timeout: float) -> tuple[dict[str, Any], int]:
+    """Reads a frame's prefix and header within ``timeout`` seconds; returns (header, body length).
+    The body is left unread. Raises ProtocolError for anything malformed, TimeoutError past the
+    deadline, IncompleteReadError if the stream ends."""
+    _check_timeout(timeout)
     async with asyncio.timeout(timeout):
         magic, header_len, body_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
         if magic != MAGIC:
             raise ProtocolError("bad frame magic")
         if header_len > MAX_HEADER:
             raise ProtocolError(f"frame header of {header_len} bytes exceeds {MAX_HEADER}")
-        if body_len > max_body:
-            raise ProtocolError(f"frame body of {body_len} bytes exceeds the {max_body} allowed here")
         try:
             header = msgpack.unpackb(
                 await reader.readexactly(header_len), raw=False, strict_map_key=True, ext_hook=_reject_ext,
@@ -123,7 +171,28 @@ async def read_frame(
             )
         except ProtocolError:
             raise
+        except asyncio.IncompleteReadError:
+            raise
         except Exception as e:
             raise ProtocolError(f"malformed frame header ({type(e).__name__})") from None
+    return check_header(header), body_len
+
+
+async def read_body(reader: asyncio.StreamReader, body_len: int, timeout: float) -> bytes:
+    _check_timeout(timeout)
+    if not body_len:
+        return b""
+    async with asyncio.timeout(timeout):
+        return await reader.readexactly(body_len)
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float, max_body: int) -> tuple[dict[str, Any], bytes]:
+    """Reads one whole frame within ``timeout`` seconds; the body may be at most ``max_body`` bytes,
+    which is checked before it is read. Raises as ``read_header``."""
+    _check_timeout(timeout)
+    async with asyncio.timeout(timeout):
+        header, body_len = await read_header(reader, timeout)
+        if body_len > max_body:
+            raise ProtocolError(f"frame body of {body_len} bytes exceeds the {max_body} allowed here")
         body = await reader.readexactly(body_len) if body_len else b""
-    return check_header(header), body
+    return header, body

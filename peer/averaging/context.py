@@ -1,0 +1,46 @@
+"""What every part of the averaging protocol of one peer shares: the run, the link, the keys, the
+ledgers, and how this peer behaves. Built once by the averager, passed to its collaborators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivetrain.dht.identity import Identity
+from hivetrain.kernels.error_feedback import ErrorFeedback
+from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.net.link import Link, Traffic
+from hivetrain.peer.trust import Bans, Trust
+
+PROTOCOL_VERSION = 3
+
+
+@dataclass
+class PeerContext:
+    spec: RunSpec
+    numel: int
+    codec: Codec
+    link: Link
+    identity: Identity  # the key of ``link``'s peer id: signs our statements
+    trust: Trust
+    bans: Bans
+    behaviour: Behaviour
+    ef: ErrorFeedback | None = None
+    traffic: Traffic = field(default_factory=Traffic)
+    run: str = ""  # the spec hash, hex: every message carries it
+    protocol: str = ""  # the stream protocol name
+
+    def __post_init__(self) -> None:
+        self.run = self.spec.spec_hash().hex()
+        self.protocol = f"hivetrain/avg/{PROTOCOL_VERSION}/{self.run[:32]}"
+        if self.link.me != self.identity.peer_id:
+            raise ValueError("the link's peer id is not the identity's")
+
+    @property
+    def me(self) -> str:
+        return self.identity.peer_id
+
+    def header(self, kind: str, round_: int, base: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "run": self.run, "round": round_, "base": base, **fields}

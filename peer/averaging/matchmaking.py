@@ -1,0 +1,202 @@
+"""Forming round r's group: the I/O around the pure rules of peer/averaging/views.py.
+
+1. Window: publish our signed ready record; collect the ready peers with our base state from the
+   board until the group reaches its target size, the window closes, or a candidate shows that it
+   already decided (its part for the round reached us: it waits for us).
+2. Agreement: ask every member of our effective view for its view, first-hand, and fold the
+   answers in (views.fold) until every member answers with exactly our view, or one reports a
+   decision we can accept. Peers others name are asked before they can count.
+
+Runs on the link's loop; one ``Matchmaking`` per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from hivetrain.peer.averaging.api import group_order
+from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.ready import Ready, ReadyBoard
+from hivetrain.peer.averaging.sybil import first_prefix
+from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, outgoing, priority, settle
+from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.net.link import request
+from hivetrain.peer.net.wire import MAX_GROUP
+
+logger = logging.getLogger(__name__)
+POLL = 0.25  # seconds between board reads while the window is open
+VIEW_TIMEOUT = 3.0  # seconds for one view request: a peer that accepts the stream and never answers is excluded
+VIEW_ATTEMPTS = 3  # tries of one view request that fails fast (a dropped stream, a refused dial)
+FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tried again
+RECONCILE_PAUSE = 0.05  # seconds before asking again when a sweep changed nothing
+AGREE_MIN = 2 * VIEW_TIMEOUT + 2.0  # seconds, at least, for the agreement after the window
+
+
+@dataclass
+class _Ask:
+    peer: str
+    reply: Report | None
+
+
+class Matchmaking:
+    """Forms one round's group. ``run`` returns the group in its fixed order, or raises RoundFailed."""
+
+    def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str):
+        self.ctx, self.board = ctx, board
+        self.view = View(round_, base, ctx.me)
+        self.changed = asyncio.Event()
+        self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
+        self._prefixes: dict[str, str | None] = {}
+
+    # ---- handlers (called by the averager's dispatch, on the loop) --------------------------------
+
+    def on_view(self, sender: str, request: Report) -> Report:
+        reply = answer(self.view, sender, request, self.caps())
+        self.changed.set()
+        return reply
+
+    def on_early_part(self, sender: str) -> None:
+        """A candidate sent us a part for this round before we decided: it is waiting for us."""
+        if sender in self.view.candidates and len(self.urgent) < MAX_GROUP:
+            self.urgent.add(sender)
+            self.changed.set()
+
+    # ---- the round ------------------------------------------------------------------------------
+
+    async def run(self) -> tuple[str, ...]:
+        spec = self.ctx.spec
+        announce = asyncio.create_task(self._announce())
+        try:
+            await self._window(time.monotonic() + spec.matchmaking_timeout)
+            group = await self._agree(time.monotonic() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
+        finally:
+            announce.cancel()  # decided or failed: no more store retries for this round
+        if len(group) < spec.min_group_size:
+            raise RoundFailed(f"group of {len(group)} is below the run's minimum of {spec.min_group_size}")
+        return group_order(group, self.view.round, self.view.base)
+
+    async def _announce(self) -> None:
+        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run)
+        ttl = self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout
+        end = time.monotonic() + self.ctx.spec.matchmaking_timeout
+        while time.monotonic() < end:
+            try:
+                if await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), end - time.monotonic()):
+                    return
+            except TimeoutError:
+                break
+            except Exception as e:  # a background task: say what went wrong, never raise unseen
+                logger.warning("round %d: storing our ready record failed: %r", self.view.round, e)
+                return
+            await asyncio.sleep(min(1.0, max(0.0, end - time.monotonic())))  # refused: not a tight loop
+        # not fatal: peers we find still learn of us when we ask them for their view
+        logger.warning("round %d: could not publish our ready record", self.view.round)
+
+    async def _read_board(self) -> None:
+        try:
+            records = await self.board.read(self.view.round)
+        except Exception as e:  # a partitioned or slow DHT: the window goes on with what we know
+            logger.debug("round %d: reading ready records failed: %r", self.view.round, e)
+            return
+        ours = [r.peer_id for r in records if (r.base, r.spec) == (self.view.base, self.ctx.run)]
+        order = priority(self.view.round, self.view.base, self._weight)
+        for peer in sorted(ours, key=order):  # the view's candidate cap keeps the highest priority
+            if self.view.add(peer):
+                self.changed.set()
+
+    async def _window(self, end: float) -> None:
+        target = self.ctx.spec.target_group_size
+        while True:
+            await self._read_board()
+            remaining = end - time.monotonic()
+            if remaining <= 0 or len(self.view.effective()) >= target or self.urgent or self.view.decided:
+                return
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), min(POLL, remaining))
+            except TimeoutError:
+                pass
+
+    async def _agree(self, end: float) -> tuple[str, ...]:
+        view = self.view
+        hints: frozenset[str] = frozenset()
+        next_read = time.monotonic() + POLL
+        while view.decided is None:
+            if time.monotonic() > end:
+                raise RoundFailed(f"no agreement on the group of round {view.round}")
+            if time.monotonic() >= next_read:  # peers that announced late (or behind a flood of fakes) join
+                await self._read_board()
+                next_read = time.monotonic() + POLL
+            await self._observe(view.effective() | hints)
+            caps = self.caps()
+            asked = settle(view, caps) - {view.me}
+            if not asked and not hints:
+                view.decided = (view.me,)
+                break
+            self.changed.clear()
+            ordered = sorted(asked | hints, key=caps.priority)
+            answers = await asyncio.gather(*(self._ask(peer, caps) for peer in ordered))
+            for a in answers:  # a hint that answers ready, from our base, is a candidate first-hand
+                if a.peer in hints and a.reply is not None and a.reply.ready and not a.reply.decided:
+                    view.add(a.peer)
+            replies = {a.peer: a.reply for a in answers if a.peer in asked or (a.reply is not None and a.reply.decided)}
+            step = fold(view, asked, replies, caps, time.monotonic())
+            hints = step.hints
+            if step.decided is None and not hints and not self.changed.is_set():
+                try:  # the others have yet to catch up: give them a moment, not a busy loop
+                    await asyncio.wait_for(self.changed.wait(), RECONCILE_PAUSE)
+                except TimeoutError:
+                    pass
+        return view.decided
+
+    async def _ask(self, peer: str, caps: Caps) -> _Ask:
+        mine = outgoing(self.view, caps)
+        header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
+                                 excluded=sorted(mine.excluded))
+        reply = None
+        for attempt in range(VIEW_ATTEMPTS):
+            started = time.monotonic()
+            try:
+                reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
+                                         traffic=self.ctx.traffic)
+                break
+            except Exception as e:  # unreachable, refused, timed out, malformed: not in our group
+                logger.debug("view request to %s failed (attempt %d): %r", peer, attempt + 1, e)
+                # Asking again is harmless. A stream that p2pd dropped at once is worth a retry; a
+                # request that ran into its timeout is not: the peer is stalled.
+                if attempt + 1 == VIEW_ATTEMPTS or time.monotonic() - started > FAST_FAILURE:
+                    return _Ask(peer, None)
+                await asyncio.sleep(0.1 * (attempt + 1))
+        if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
+            return _Ask(peer, None)
+        return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
+                                 reply["ready"]))
+
+    # ---- caps -----------------------------------------------------------------------------------
+
+    def _weight(self, peer: str) -> float:
+        return self.ctx.trust.weight(peer, self.view.round)
+
+    def caps(self) -> Caps:
+        round_ = self.view.round
+        return Caps(me=self.ctx.me, priority=priority(round_, self.view.base, self._weight),
+                    newcomer=lambda p: self.ctx.trust.on_probation(p, round_), prefixes=self._prefixes,
+                    max_per_prefix=self.ctx.spec.max_per_prefix, banned=self.ctx.bans.__contains__)
+
+    async def _observe(self, peers: frozenset[str]) -> None:
+        """The network prefix of each peer as our own connections see it (never what it claims)."""
+        if self.ctx.spec.max_per_prefix <= 0:
+            return
+        new = sorted(p for p in peers if p not in self._prefixes and p != self.ctx.me)
+        if new:
+            addrs = await self.ctx.link.observed_addrs(new)
+            for peer in new:
+                self._prefixes[peer] = first_prefix(addrs.get(peer, []))
+        if self.ctx.me not in self._prefixes:  # ourselves: what we listen on or announce (None behind a NAT)
+            try:
+                self._prefixes[self.ctx.me] = first_prefix(await self.ctx.link.own_addrs())
+            except Exception:
+                self._prefixes[self.ctx.me] = None

@@ -1,0 +1,86 @@
+"""Ready records: "I am forming round r's group from base state b", signed by the peer's libp2p key.
+
+Matchmaking reads them to find candidates; a record counts only for the peer id its signature
+binds it to. Two boards: the DHT (real peers) and a dict in memory (tests and simulation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hivetrain.dht.errors import InvalidRecord
+from hivetrain.dht.identity import Identity, peer_id_of
+from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
+
+READ_TIMEOUT = 5.0  # seconds for one read of the board
+
+
+@dataclass(frozen=True)
+class Ready:
+    peer_id: str  # bound to the signer's key
+    round: int
+    base: str
+    spec: str
+
+
+class ReadyBoard(Protocol):
+    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
+        """Stores our signed ready record; returns whether it was stored."""
+        ...
+
+    async def read(self, round_: int) -> list[Ready]:
+        """The valid ready records of ``round_`` (any base: the caller filters)."""
+        ...
+
+
+def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope:
+    payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
+                                           spec_hash=ready.spec))
+    return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, time.time() + ttl)
+
+
+def verified(envelope: Envelope) -> Ready | None:
+    """The record's content if its ``peer_id`` is its signer's libp2p id; None otherwise."""
+    try:
+        fields = decode_payload("ready", envelope.payload)
+        if fields["peer_id"] != peer_id_of(envelope.public_key):
+            return None
+    except InvalidRecord:
+        return None
+    return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"])
+
+
+class DHTReadyBoard:
+    """Ready records in the run's DHT (on the DHT's loop)."""
+
+    def __init__(self, dht: Any, run_key: str):
+        self.dht, self.run_key = dht, run_key
+
+    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
+        return bool(await self.dht.astore(sign(identity, self.run_key, ready, ttl)))
+
+    async def read(self, round_: int) -> list[Ready]:
+        async with asyncio.timeout(READ_TIMEOUT):
+            envelopes = await self.dht.aget(ready_key(self.run_key, round_))
+        return [r for r in map(verified, envelopes) if r is not None and r.round == round_]
+
+
+@dataclass
+class MemoryReadyBoard:
+    """Ready records in a dict, for in-process swarms; signed and verified like the DHT's."""
+
+    run_key: str = "memory"
+    records: dict[int, dict[str, Envelope]] = field(default_factory=dict)
+
+    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
+        envelope = sign(identity, self.run_key, ready, ttl)
+        self.records.setdefault(ready.round, {})[envelope.subkey] = envelope
+        for old in [r for r in self.records if r < ready.round - 2]:  # bounded: recent rounds only
+            del self.records[old]
+        return True
+
+    async def read(self, round_: int) -> list[Ready]:
+        return [r for r in map(verified, self.records.get(round_, {}).values()) if r is not None]

@@ -1,0 +1,281 @@
+"""One round's all-reduce state for one group we derived: ``RoundSession``, with one ``ShardState`` per shard.
+
+A session exists only for a group this peer decided itself (peer/averaging/matchmaking.py), so
+every message it accepts comes from a member, and each slot takes one message from the one member
+whose role it is:
+
+- a part of shard k: from any member, and only if we reduce or audit k; exactly the shard's size;
+- the result of shard k: from its reducer only, signed by it (peer/averaging/statements.py);
+- the verdict on shard k: from its auditor only, signed by it;
+- an ``applied`` report: from each member once.
+
+Sizes are checked on the header, before a body is read; a slot is reserved while its body is read.
+The same message again is a DUPLICATE (a retry after a lost ack); a different one in a filled slot
+is an EQUIVOCATION, attributed to its sender. The session, with everything in it, is dropped when
+its round is over (the averager keeps the previous round's for evidence requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging.api import group_hash, shard_bounds
+from hivetrain.peer.averaging.reduce import digest
+from hivetrain.peer.averaging.statements import (
+    STATEMENT_LEN,
+    Statement,
+    Where,
+    commitment,
+    result_message,
+    unpack_all,
+    valid,
+    verdict_message,
+)
+from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.net.wire import Code
+
+Refusal = tuple[Code, str]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    result_hash: str  # hex: the result the auditor checked
+    finding: int  # 0: none; else peer/averaging/reduce.py FindingKind's position + 1
+    reason: str
+    sig: bytes
+
+
+@dataclass
+class ShardState:
+    parts: dict[str, bytes] = field(default_factory=dict)  # member -> its part (we reduce or audit this shard)
+    invalid: dict[str, str] = field(default_factory=dict)  # member -> why its part was refused on arrival
+    result: bytes | None = None  # from the reducer
+    result_hash: str = ""
+    commits: list[str] = field(default_factory=list)  # the reducer's part digests, per member
+    claims: list[str] = field(default_factory=list)  # members the reducer gave weight 0 (probation)
+    excluded: list[str] = field(default_factory=list)  # members the reducer left out
+    result_sig: bytes = b""
+    verdict: Verdict | None = None  # from the auditor
+    evidence: list[bytes] | None = None  # our copies of the parts behind our accusation (we audit it)
+
+
+@dataclass
+class Intake:
+    """An admitted message whose body the link now reads; ``deposit`` stores it."""
+
+    session: RoundSession
+    sender: str
+    header: dict[str, Any]
+    slot: tuple[Any, ...]
+    deadline: float
+
+    def deposit(self, body: bytes) -> Refusal:
+        self.session.reading.discard(self.slot)
+        return self.session.deposit(self.sender, self.header, body)
+
+    def abort(self) -> None:
+        self.session.reading.discard(self.slot)
+
+
+class RoundSession:
+    def __init__(self, run: str, round_: int, base: str, order: tuple[str, ...], me: str, numel: int,
+                 codec: Codec, audits: bool, deadline: float):
+        self.run, self.round, self.base, self.order, self.me = run, round_, base, order, me
+        self.codec, self.numel, self.deadline = codec, numel, deadline
+        self.group = group_hash(order, round_, base)
+        self.n = len(order)
+        self.bounds = shard_bounds(numel, self.n)
+        self.mine = order.index(me)
+        self.audited = (self.mine - 1) % self.n if audits and self.n >= 2 else None
+        self.shards = [ShardState() for _ in range(self.n)]
+        self.applied: dict[str, tuple[str, list[Statement]]] = {}  # member -> (digest, its statements)
+        self.reading: set[tuple[Any, ...]] = set()
+        self.culprits: dict[str, str] = {}  # members caught breaking the protocol in this session -> why
+        self.arrived = asyncio.Event()
+
+    # ---- roles and sizes ------------------------------------------------------------------------
+
+    def reducer(self, k: int) -> str:
+        return self.order[k]
+
+    def auditor(self, k: int) -> str | None:
+        return self.order[(k + 1) % self.n] if self.audited is not None else None
+
+    def shard_nbytes(self, k: int) -> int:
+        start, end = self.bounds[k]
+        return self.codec.encoded_nbytes(end - start)
+
+    def where(self, k: int) -> Where:
+        return Where(self.run, self.round, self.group, k)
+
+    def _convict(self, sender: str, code: Code, why: str) -> Refusal:
+        self.culprits.setdefault(sender, why)
+        self.arrived.set()
+        return code, why
+
+    # ---- admission (header only) ------------------------------------------------------------------
+
+    def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | Intake:
+        kind = header["type"]
+        if sender not in self.order or sender == self.me:
+            return Code.NOT_MEMBER, "not a member of this group"
+        if kind != "evidence_req" and "shard" in header and header["shard"] >= self.n:
+            return self._convict(sender, Code.MALFORMED, f"shard {header['shard']} in a group of {self.n}")
+        check = {"part": self._admit_part, "result": self._admit_result, "audit": self._admit_verdict,
+                 "applied": self._admit_applied}.get(kind)
+        if check is None:
+            return Code.MALFORMED, f"{kind} is not a session message"
+        refusal = check(sender, header, body_len)
+        if refusal is not None:
+            return refusal
+        slot = (kind, header.get("shard", -1), sender)
+        if slot in self.reading:
+            return Code.BUSY, "the same message is being read"
+        self.reading.add(slot)
+        return Intake(self, sender, header, slot, self.deadline)
+
+    def _admit_part(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        k = header["shard"]
+        if k not in (self.mine, self.audited):
+            return Code.WRONG_ROLE, f"we neither reduce nor audit shard {k}"
+        shard = self.shards[k]
+        if sender in shard.parts:
+            same = digest(shard.parts[sender]) == header["digest"]
+            return (Code.DUPLICATE, "") if same else self._convict(sender, Code.EQUIVOCATION,
+                                                                    f"sent two different parts of shard {k}")
+        if sender in shard.invalid:
+            return Code.EQUIVOCATION, f"its part of shard {k} was already refused: {shard.invalid[sender]}"
+        if body_len != self.shard_nbytes(k):
+            why = f"its part of shard {k} has {body_len} bytes, not {self.shard_nbytes(k)}"
+            shard.invalid[sender] = why  # marked, so that we do not wait for it until the deadline
+            self.arrived.set()
+            return Code.WRONG_SIZE, why
+        return None
+
+    def _admit_result(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        k = header["shard"]
+        if sender != self.reducer(k):
+            return self._convict(sender, Code.WRONG_ROLE, f"sent a result of shard {k}, which it does not reduce")
+        if k == self.mine:
+            return Code.WRONG_ROLE, "we reduce that shard ourselves"
+        shard = self.shards[k]
+        if shard.result is not None:
+            if shard.result_hash == header["result"]:
+                return Code.DUPLICATE, ""
+            return self._convict(sender, Code.EQUIVOCATION, f"signed two different results of shard {k}")
+        order = set(self.order)
+        claims, excluded = header["probation"], header["excluded"]
+        if (len(header["parts"]) != self.n or len(set(claims)) != len(claims) or not set(claims) <= order
+                or not set(excluded) <= order):
+            return self._convict(sender, Code.MALFORMED, f"its result of shard {k} has malformed commitments")
+        commit = commitment(header["parts"], claims, excluded)
+        message = result_message(self.where(k), bytes.fromhex(header["result"]), commit)
+        if not valid(sender, bytes.fromhex(header["sig"]), message):
+            return self._convict(sender, Code.MALFORMED, f"its result of shard {k} is not signed by it")
+        if body_len != self.shard_nbytes(k):
+            return self._convict(sender, Code.WRONG_SIZE, f"its result of shard {k} has the wrong size")
+        return None
+
+    def _admit_verdict(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        k = header["shard"]
+        if self.audited is None or sender != self.auditor(k):
+            return self._convict(sender, Code.WRONG_ROLE, f"sent a verdict on shard {k}, which it does not audit")
+        if k == self.audited:
+            return Code.WRONG_ROLE, "we audit that shard ourselves"
+        if body_len:
+            return Code.WRONG_SIZE, "a verdict has no body"
+        verdict = self.shards[k].verdict
+        if verdict is not None:
+            if (verdict.ok, verdict.result_hash) == (header["ok"], header["result"]):
+                return Code.DUPLICATE, ""
+            return self._convict(sender, Code.EQUIVOCATION, f"signed two different verdicts on shard {k}")
+        message = verdict_message(self.where(k), header["ok"], bytes.fromhex(header["result"]))
+        if not valid(sender, bytes.fromhex(header["sig"]), message):
+            return self._convict(sender, Code.MALFORMED, f"its verdict on shard {k} is not signed by it")
+        return None
+
+    def _admit_applied(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        if sender in self.applied:
+            if self.applied[sender][0] == header["digest"]:
+                return Code.DUPLICATE, ""
+            return self._convict(sender, Code.EQUIVOCATION, "reported two different applied digests")
+        if body_len != self.n * STATEMENT_LEN:
+            return Code.WRONG_SIZE, f"{body_len} bytes of statements for a group of {self.n}"
+        return None
+
+    # ---- deposit (with the body) --------------------------------------------------------------
+
+    def deposit(self, sender: str, header: dict[str, Any], body: bytes) -> Refusal:
+        kind = header["type"]
+        k = header.get("shard", -1)
+        if kind == "part":
+            shard = self.shards[k]
+            if digest(body) != header["digest"]:
+                shard.invalid[sender] = f"its part of shard {k} does not match the digest it sent"
+                self.arrived.set()
+                return Code.MALFORMED, shard.invalid[sender]
+            shard.parts[sender] = body
+        elif kind == "result":
+            if hashlib.sha256(body).hexdigest() != header["result"]:
+                return self._convict(sender, Code.MALFORMED, f"its result of shard {k} does not match its hash")
+            shard = self.shards[k]
+            shard.result, shard.result_hash, shard.result_sig = body, header["result"], bytes.fromhex(header["sig"])
+            shard.commits, shard.claims, shard.excluded = header["parts"], header["probation"], header["excluded"]
+        elif kind == "audit":
+            self.shards[k].verdict = Verdict(header["ok"], header["result"], header["finding"], header["reason"],
+                                             bytes.fromhex(header["sig"]))
+        elif kind == "applied":
+            try:
+                self.applied[sender] = (header["digest"], unpack_all(body, self.n))
+            except ValueError as e:
+                return self._convict(sender, Code.MALFORMED, f"malformed statements: {e}")
+        self.arrived.set()
+        return Code.OK, ""
+
+    def evidence(self, sender: str, header: dict[str, Any]) -> tuple[Code, bytes]:
+        """Our copy of one part behind our accusation of shard ``header['shard']``."""
+        if sender not in self.order:
+            return Code.NOT_MEMBER, b""
+        k, index = header["shard"], header["index"]
+        parts = self.shards[k].evidence if k < self.n else None
+        if parts is None or index >= len(parts) or not parts[index]:
+            return Code.NO_EVIDENCE, b""
+        return Code.OK, parts[index]
+
+    # ---- waiting ---------------------------------------------------------------------------------
+
+    def has_parts(self, k: int) -> bool:
+        shard = self.shards[k]
+        return all(p in shard.parts or p in shard.invalid for p in self.order)
+
+    async def wait_for(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Waits until ``ready()`` (re-checked whenever a message arrives); RoundFailed past ``deadline``."""
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RoundFailed(f"deadline passed waiting for the {what}", dict(self.culprits))
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    def bound(self) -> int:
+        """The most bytes of peer input a session can hold: two shards' parts from every member, every
+        shard's result, and every member's statements."""
+        return 3 * sum(self.shard_nbytes(k) for k in range(self.n)) + self.n * self.n * STATEMENT_LEN
+
+    def held_bytes(self) -> int:
+        """Bytes of peer input this session holds (parts, results, evidence): bounded by its group."""
+        total = 0
+        for shard in self.shards:
+            total += sum(map(len, shard.parts.values())) + len(shard.result or b"")
+            total += sum(map(len, shard.evidence or []))
+        return total + sum(len(s) * STATEMENT_LEN for _, s in self.applied.values())

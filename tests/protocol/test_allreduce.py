@@ -1,0 +1,100 @@
+"""The averaging protocol end to end, in process: real averagers (matchmaking, audited all-reduce,
+agreement after the round) over in-process links. Honest peers and crash faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hivetrain.kernels.int8 import get_codec
+from hivetrain.peer.averaging.api import AverageResult, shard_bounds
+from hivetrain.peer.averaging.simulation import LocalSwarm
+from hivetrain.peer.errors import RoundFailed
+
+from .harness import BASE, NUMEL, assert_identical, deltas, spec, story
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_every_member_applies_the_same_bytes(n: int) -> None:
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        done = assert_identical(results, members=n)
+        assert set(done[0].group) == set(swarm.ids())
+        mean = torch.stack(deltas(n)).mean(0)
+        err = (done[0].averaged - mean).abs().max()
+        assert err < 0.05 * mean.abs().max(), err  # int8 parts, robust aggregation of honest parts: near the mean
+    finally:
+        swarm.close()
+
+
+def test_fp32_mean_is_exact() -> None:
+    n = 3
+    swarm = LocalSwarm(spec(n, compression="fp32", aggregation="mean"), NUMEL, n)
+    try:
+        d = deltas(n)
+        results = swarm.all_reduce(0, BASE, d)
+        done = assert_identical(results, members=n)
+        order = done[0].group
+        by_peer = dict(zip(swarm.ids(), d, strict=True))
+        expected = torch.empty(NUMEL)
+        codec = get_codec("fp32")
+        for (a, b) in shard_bounds(NUMEL, n):
+            acc = torch.zeros(b - a)
+            for p in order:  # the reducer's order: the group's fixed order
+                acc.add_(codec.decode(codec.encode(by_peer[p][a:b].contiguous()), b - a))
+            expected[a:b] = acc.mul_(1.0 / n)
+        assert torch.equal(done[0].averaged, expected)
+    finally:
+        swarm.close()
+
+
+def test_consecutive_rounds_and_trust_is_earned() -> None:
+    n = 3
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    try:
+        for r in range(3):
+            assert_identical(swarm.all_reduce(r, BASE, deltas(n, seed=r)), members=n)
+        trust = swarm.peers[0].ctx.trust
+        assert all(trust.weight(p, 3) == 1.0 for p in swarm.ids()[1:])
+    finally:
+        swarm.close()
+
+
+def test_members_with_another_base_never_mix() -> None:
+    n = 4
+    swarm = LocalSwarm(spec(n, matchmaking_timeout=1.0), NUMEL, n)
+    try:
+        other = "cd" * 32
+        results = swarm.all_reduce(0, [BASE, BASE, other, other], deltas(n))
+        for r in results:
+            assert isinstance(r, AverageResult), story(results)
+        assert results[0].group == results[1].group and set(results[0].group) == set(swarm.ids()[:2])
+        assert set(results[2].group) == set(swarm.ids()[2:])
+    finally:
+        swarm.close()
+
+
+def test_a_member_cut_off_after_matchmaking_voids_the_round_for_all_at_the_deadline() -> None:
+    n = 3
+    swarm = LocalSwarm(spec(n, allreduce_timeout=2.0), NUMEL, n)
+
+    class CutAfterMatchmaking:
+        def __init__(self) -> None:
+            self.fired = False
+
+        def at(self, point: str, round_: int) -> None:
+            if point == "after_matchmaking" and not self.fired:
+                self.fired = True
+                swarm.net.cut.add(swarm.ids()[2])
+
+    try:
+        fault = CutAfterMatchmaking()
+        swarm.peers[2].ctx.behaviour = type("B", (type(swarm.peers[2].ctx.behaviour),), {"at": lambda self, p, r: fault.at(p, r)})()
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        assert fault.fired
+        assert all(isinstance(r, RoundFailed) for r in results), story(results)
+        swarm.net.cut.clear()
+        assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1)), members=n)  # the next round works again
+    finally:
+        swarm.close()

@@ -1,0 +1,184 @@
+"""The transport seam (peer/net/link.py) over in-process pipes (peer/net/memory.py): the two-step
+exchange that lets a receiver refuse a body unread, and the caps on concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from hivetrain.dht.identity import Identity
+from hivetrain.peer.net import link as link_mod
+from hivetrain.peer.net.link import Done, Reply, Server, Ticket, request
+from hivetrain.peer.net.memory import MemoryNetwork
+from hivetrain.peer.net.wire import MAGIC, PREFIX, Code
+
+RUN = "ab" * 32
+PROTO = "test/1"
+A, B = (Identity.generate().peer_id for _ in range(2))
+
+
+def header(kind: str = "part", **fields: Any) -> dict[str, Any]:
+    base = {"type": kind, "run": RUN, "round": 1, "base": RUN}
+    if kind == "part":
+        base.update(group=RUN, shard=0, digest="0" * 32)
+    return {**base, **fields}
+
+
+def ack(code: Code, why: str = "") -> Reply:
+    return {"type": "ack", "run": RUN, "round": 1, "base": RUN, "code": int(code), "reason": why}, b""
+
+
+@dataclass
+class Sink:
+    """A Service that wants bodies of exactly ``size`` bytes and keeps them."""
+
+    size: int
+    members: set[str] = field(default_factory=set)
+    bodies: list[bytes] = field(default_factory=list)
+    hold: asyncio.Event | None = None  # when set: complete() waits for it (a slow handler)
+
+    def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+        if body_len != self.size:
+            return ack(Code.WRONG_SIZE, f"{body_len} != {self.size}")
+        sink = self
+
+        class _T:
+            deadline = asyncio.get_running_loop().time() + 5
+
+            async def complete(self, body: bytes) -> Reply:
+                if sink.hold is not None:
+                    await sink.hold.wait()
+                sink.bodies.append(body)
+                return ack(Code.OK)
+
+            def abort(self) -> None:
+                pass
+
+        return _T()
+
+    def refusal(self, header: dict[str, Any], code: Code, why: str) -> Reply:
+        return ack(code, why)
+
+    def is_member(self, peer: str) -> bool:
+        return peer in self.members
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_body_is_sent_only_after_the_receiver_asks_for_it() -> None:
+    async def go() -> tuple[Reply, list[bytes], int]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        sink = Sink(size=1000)
+        await b.serve(PROTO, Server(sink))
+        reply = await request(a, B, PROTO, header(), b"x" * 1000, timeout=5)
+        return reply, sink.bodies, net.bytes_moved[A]
+
+    (reply, _), bodies, moved = run(go())
+    assert reply["code"] == Code.OK and bodies == [b"x" * 1000]
+    assert moved > 1000
+
+
+def test_a_body_of_the_wrong_size_is_refused_unread() -> None:
+    async def go() -> tuple[Reply, list[bytes], int]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        sink = Sink(size=1000)
+        await b.serve(PROTO, Server(sink))
+        reply = await request(a, B, PROTO, header(), b"x" * 10_000_000, timeout=5)
+        return reply, sink.bodies, net.bytes_moved[A]
+
+    (reply, _), bodies, moved = run(go())
+    assert reply["code"] == Code.WRONG_SIZE and bodies == []
+    assert moved < 1000  # the requester sent its header only: 10 MB stayed home
+
+
+def test_streams_beyond_the_per_peer_cap_are_refused_busy_and_members_are_not_crowded_out() -> None:
+    async def go() -> tuple[list[int], Server, int]:
+        net = MemoryNetwork()
+        flooders = [net.link(Identity.generate().peer_id) for _ in range(10)]
+        member = net.link(A)
+        b = net.link(B)
+        sink = Sink(size=1, members={A}, hold=asyncio.Event())
+        server = Server(sink, max_others=16, max_per_peer=4)
+        await b.serve(PROTO, server)
+        # every flooder opens 6 streams that its handler holds open: 4 per peer, 16 for all non-members
+        flood = [asyncio.create_task(request(f, B, PROTO, header(), b"x", timeout=5)) for f in flooders for _ in range(6)]
+        await asyncio.sleep(0.1)
+        held = sum(server.open_streams.values())
+        member_call = asyncio.create_task(request(member, B, PROTO, header(), b"x", timeout=5))
+        await asyncio.sleep(0.1)
+        sink.hold.set()
+        codes = [r[0]["code"] for r in await asyncio.gather(*flood)]
+        (member_reply, _) = await member_call
+        return [held, member_reply["code"], codes.count(Code.BUSY), codes.count(Code.OK)], server, len(sink.bodies)
+
+    (held, member_code, busy, ok), server, stored = run(go())
+    assert held == 16 and ok == 16 and busy == 44 and server.refused_busy == 44
+    assert member_code == Code.OK and stored == 17
+
+
+def test_a_silent_stream_is_closed_at_the_header_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link_mod, "IO_TIMEOUT", 0.2)
+
+    async def go() -> tuple[int, int]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        server = Server(Sink(size=1))
+        await b.serve(PROTO, server)
+        reader, writer = await a.open(B, PROTO, 1.0)
+        writer.write(PREFIX.pack(MAGIC, 10, 0))  # a prefix, then nothing
+        await asyncio.sleep(0.05)
+        during = sum(server.open_streams.values())
+        await asyncio.sleep(0.5)
+        return during, sum(server.open_streams.values())
+
+    assert run(go()) == (1, 0)
+
+
+def test_an_oversized_header_is_refused_before_it_is_read() -> None:
+    async def go() -> dict[str, Any]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        await b.serve(PROTO, Server(Sink(size=1)))
+        reader, writer = await a.open(B, PROTO, 1.0)
+        writer.write(PREFIX.pack(MAGIC, 1 << 30, 0))
+        from hivetrain.peer.net.wire import read_header
+
+        reply, _ = await read_header(reader, 2.0)
+        return reply
+
+    reply = run(go())
+    assert reply["code"] == Code.MALFORMED and "exceeds" in reply["reason"]
+
+
+def test_unreachable_peer_raises() -> None:
+    async def go() -> None:
+        net = MemoryNetwork()
+        a = net.link(A)
+        net.link(B)
+        net.cut.add(B)
+        await request(a, B, PROTO, header(), b"", timeout=1)
+
+    with pytest.raises(ConnectionError):
+        run(go())
+
+
+def test_done_ticket_answers_body_less_messages() -> None:
+    class Echo(Sink):
+        def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+            return Done(ack(Code.OK, sender))
+
+    async def go() -> Reply:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        await b.serve(PROTO, Server(Echo(size=0)))
+        return await request(a, B, PROTO, header("view", members=[], excluded=[]), b"", timeout=2)
+
+    reply, _ = run(go())
+    assert reply["reason"] == A  # the sender the service saw is the link's authenticated peer id

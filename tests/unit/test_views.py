@@ -1,0 +1,191 @@
+"""Matchmaking's pure rules (peer/averaging/views.py), driven by a deterministic harness: every
+peer holds a View, sweeps are delivered explicitly, and attackers are scripted views."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, outgoing, priority, settle
+from hivetrain.peer.trust import Trust
+
+ROUND, BASE = 5, "ab" * 32
+
+
+def ids(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def caps_for(me: str, trust: Trust | None = None, prefixes: dict[str, str | None] | None = None, cap: int = 0,
+             banned: frozenset[str] = frozenset()) -> Caps:
+    trust = trust or Trust()
+    return Caps(me=me, priority=priority(ROUND, BASE, lambda p: trust.weight(p, ROUND)),
+                newcomer=lambda p: trust.on_probation(p, ROUND), prefixes=prefixes or {}, max_per_prefix=cap,
+                banned=banned.__contains__)
+
+
+class Harness:
+    """Peers with views; ``sweep`` = every undecided peer asks every member of its view once."""
+
+    def __init__(self, peers: list[str], candidates: dict[str, set[str]],
+                 caps: dict[str, Caps] | None = None, unreachable: set[tuple[str, str]] | None = None):
+        self.views = {p: View(ROUND, BASE, p, set(candidates.get(p, set()))) for p in peers}
+        self.caps = caps or {p: caps_for(p) for p in peers}
+        self.unreachable = unreachable or set()
+        self.liars: dict[str, Callable[[str], Report]] = {}  # scripted answers of attackers
+        self.hints: dict[str, frozenset[str]] = {p: frozenset() for p in peers}
+        self.now = 0.0  # seconds: one per sweep
+
+    def ask(self, asker: str, peer: str) -> Report | None:
+        if (asker, peer) in self.unreachable or (peer, asker) in self.unreachable:
+            return None
+        if peer in self.liars:
+            return self.liars[peer](asker)
+        if peer not in self.views:
+            return None
+        return answer(self.views[peer], asker, outgoing(self.views[asker], self.caps[asker]), self.caps[peer])
+
+    def sweep(self) -> None:
+        hints = self.hints
+        for me, view in self.views.items():
+            if view.decided is not None:
+                continue
+            caps = self.caps[me]
+            asked = settle(view, caps) - {me}
+            if not asked and not hints[me]:
+                view.decided = (me,)
+                continue
+            replies = {p: self.ask(me, p) for p in sorted(asked | hints[me])}
+            for p, r in replies.items():
+                if p in hints[me] and r is not None and r.ready and not r.decided:
+                    view.add(p)
+            self.now += 1.0
+            step = fold(view, asked, {p: r for p, r in replies.items() if p in asked or (r and r.decided)}, caps,
+                        self.now)
+            hints[me] = step.hints
+
+    def run(self, sweeps: int = 20) -> dict[str, tuple[str, ...] | None]:
+        for _ in range(sweeps):
+            if all(v.decided is not None for v in self.views.values()):
+                break
+            self.sweep()
+        return {p: v.decided for p, v in self.views.items()}
+
+
+def test_full_views_decide_one_group() -> None:
+    peers = ids("p", 4)
+    got = Harness(peers, {p: set(peers) for p in peers}).run()
+    assert set(got.values()) == {tuple(sorted(peers))}
+
+
+def test_partial_views_converge_through_first_hand_hints() -> None:
+    peers = ids("p", 4)
+    got = Harness(peers, {"p0": {"p1"}, "p1": {"p2"}, "p2": {"p3"}, "p3": set()}).run()
+    assert set(got.values()) == {tuple(sorted(peers))}
+
+
+def test_alone_decides_alone() -> None:
+    assert Harness(["p0"], {}).run() == {"p0": ("p0",)}
+
+
+def test_an_unreachable_candidate_is_excluded_and_the_rest_agree() -> None:
+    peers = ids("p", 3)
+    h = Harness(peers, {p: {*peers, "ghost"} for p in peers})
+    got = h.run()
+    assert set(got.values()) == {tuple(sorted(peers))}
+    assert all("did not answer" in v.excluded["ghost"] for v in h.views.values())
+
+
+def test_members_named_by_others_are_never_taken_on_their_word() -> None:
+    """An outsider's view naming 64 fake members: none of them becomes a candidate (they never answer)."""
+    peers = ids("p", 3)
+    fakes = ids("fake", 70)
+    h = Harness([*peers], {p: set(peers) | {"x"} for p in peers})
+    h.liars["x"] = lambda asker: Report(frozenset(fakes[:64]) | {"x", asker}, frozenset())
+    got = h.run()
+    assert set(got.values()) == {tuple(sorted(peers))}  # x names fakes that never answer; x itself never agrees
+    for v in h.views.values():
+        assert not set(fakes) & set(v.effective())
+        assert len(outgoing(v, h.caps[v.me]).members) <= 64
+
+
+def test_a_view_never_exceeds_max_group() -> None:
+    me = "p0"
+    view = View(ROUND, BASE, me)
+    for p in ids("c", 300):
+        view.add(p)
+    report = outgoing(view, caps_for(me))
+    assert len(report.members) == 64 and len(report.excluded) <= 64 and me in report.members
+
+
+def test_a_stranger_excluding_an_established_member_only_removes_itself() -> None:
+    peers = ids("p", 3)
+    trust = {p: Trust() for p in peers}
+    for p in peers:
+        trust[p].record_completed(ROUND - 1, peers, p)  # the three completed a round together
+    caps = {p: caps_for(p, trust[p]) for p in peers}
+    h = Harness(peers, {p: {*peers, "x"} for p in peers}, caps=caps)
+    h.liars["x"] = lambda asker: Report(frozenset({"x", asker}), frozenset(set(peers) - {asker}))
+    got = h.run()
+    assert set(got.values()) == {tuple(sorted(peers))}
+    assert all("x" in v.excluded for v in h.views.values())
+
+
+def test_newcomers_stay_fewer_than_half_of_a_group() -> None:
+    me = "p0"
+    trust = Trust()
+    trust.record_completed(ROUND - 1, [me, "old1"], me)
+    kept, dropped = caps_for(me, trust).apply([me, "old1", "new1", "new2", "new3"])
+    assert set(kept) == {me, "old1", "new1"} or set(kept) == {me, "old1", kept[2]}
+    assert sum(p.startswith("new") for p in kept) == 1 and len(dropped) == 2
+    assert all("newcomer" in why for why in dropped.values())
+    kept, dropped = caps_for(me, trust).apply([me, "new1"])  # a pair with one newcomer is allowed
+    assert kept == [me, "new1"] and not dropped
+
+
+def test_a_decision_is_adopted_only_inside_our_capped_view() -> None:
+    trust = Trust()
+    trust.record_completed(ROUND - 1, ["me", "old"], "me")
+    caps = caps_for("me", trust)
+    view = View(ROUND, BASE, "me", {"old", "a", "b"})
+    # a decided group of us and three newcomers: outside our caps
+    step = fold(view, frozenset({"old", "a", "b"}), {"a": Report(frozenset({"me", "a", "b", "c"}), frozenset(), True)},
+                caps, 0.0)
+    assert step.decided is None and "c" in step.hints
+    view2 = View(ROUND, BASE, "me", {"old", "a"})
+    step = fold(view2, frozenset({"old", "a"}), {"a": Report(frozenset({"me", "a", "old"}), frozenset(), True)}, caps, 0.0)
+    assert step.decided == ("a", "me", "old")
+
+
+def test_a_decision_without_us_excludes_its_reporter() -> None:
+    view = View(ROUND, BASE, "me", {"a", "b"})
+    fold(view, frozenset({"a", "b"}), {"a": Report(frozenset({"a", "b"}), frozenset(), True)}, caps_for("me"), 0.0)
+    assert "a" in view.excluded
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_the_prefix_cap_keeps_the_same_members_for_everyone(cap: int) -> None:
+    peers = ids("p", 4)
+    prefixes: dict[str, str | None] = {p: "203.0.113.0/24" for p in peers}
+    caps = {p: caps_for(p, prefixes=prefixes, cap=cap) for p in peers}
+    got = Harness(peers, {p: set(peers) for p in peers}, caps=caps).run()
+    groups = {g for g in got.values() if g is not None}
+    assert all(len(g) <= max(cap, 1) for g in groups), groups
+
+
+def test_banned_peers_are_never_members() -> None:
+    peers = ids("p", 3)
+    caps = {p: caps_for(p, banned=frozenset({"p2"})) for p in peers[:2]}
+    caps["p2"] = caps_for("p2")
+    got = Harness(peers, {p: set(peers) for p in peers}, caps=caps).run()
+    assert got["p0"] == got["p1"] == ("p0", "p1")
+
+
+def test_peers_that_cannot_reach_each_other_split_without_attackers_winning() -> None:
+    peers = ids("p", 3)
+    h = Harness(peers, {p: set(peers) for p in peers}, unreachable={("p0", "p2")})
+    got = h.run()
+    for p, g in got.items():
+        assert g is not None and p in g
+        assert not {"p0", "p2"} <= set(g)
