@@ -9,9 +9,10 @@ Every peer is its own OS process (``python -m bench.join --role donor|joiner``) 
 p2pd. ``max(--donors)`` donors start once per setting (the first bootstraps the others). Each builds a
 :class:`~hivetrain.peer.state.snapshot.Snapshot` of the same synthetic state (seeded random master and momentum,
 ``numel = SIZE_MB * 1e6 / 8``, so every donor attests the same state hash), serves it through
-:class:`~hivetrain.peer.state.sync.StateSync` and publishes a heartbeat attesting ``(round, hash)``. The
-joiner joins the DHT, waits (bounded) until every donor's heartbeat is visible, builds the target with
-:func:`~hivetrain.peer.state.sync.choose`, and times ``StateSync.download(target, timeout)`` with the
+:class:`~hivetrain.peer.state.sync.StateSync` and publishes a heartbeat (signed by its libp2p identity)
+attesting ``(round, hash, parent)``. The joiner joins the DHT, waits (bounded) until every donor's heartbeat
+is visible, builds the target with the joiner's fork choice (``StateSync.check``: it asks every donor for the
+manifest and counts the network prefixes/IPs of its connections, peer/state/choose.py), and times ``StateSync.download(target, timeout)`` with the
 target's attesters cut to the first k donors, for each k in ``--donors``, ``--repeat`` times (interleaved),
 after one untimed warm-up download from all donors (a cold join; its time is reported apart).
 
@@ -97,7 +98,8 @@ def _busy_seconds() -> float:
 
 
 def _patch_constants(piece_kib: int | None, per_donor: int | None) -> None:
-    """What-if knobs: patch StateSync's piece size / pieces in flight in this process only."""
+    """What-if knobs: patch StateSync's piece size / pieces in flight in this process only (a donor lets
+    one requester have that many requests in flight)."""
     from hivetrain.peer.state import snapshot as state
     from hivetrain.peer.state import sync as state_sync
 
@@ -106,6 +108,7 @@ def _patch_constants(piece_kib: int | None, per_donor: int | None) -> None:
         state_sync.PIECE_SIZE = piece_kib * 1024
     if per_donor:
         state_sync.PER_DONOR = per_donor
+        state_sync.MAX_PER_REQUESTER = max(state_sync.MAX_PER_REQUESTER, per_donor)
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -118,15 +121,14 @@ def _emit(obj: dict[str, Any]) -> None:
 def run_donor(args: argparse.Namespace) -> int:
     import torch
 
-    from hivetrain.dht.identity import Identity
     from hivetrain.dht.node import DHT, DHTOptions
     from hivetrain.peer.faults import FaultPlan
-    from hivetrain.peer.runspec import publish_heartbeat
+    from hivetrain.peer.state.heartbeats import attestation_fields, publish_heartbeat
     from hivetrain.peer.state.snapshot import Snapshot
     from hivetrain.peer.state.sync import StateSync
 
     torch.set_num_threads(1)
-    _patch_constants(args.piece_kib, None)
+    _patch_constants(args.piece_kib, args.per_donor)
     deadline = time.monotonic() + args.lifetime
     dht = DHT(DHTOptions(initial_peers=tuple(args.initial_peers), host_maddrs=(f"/ip4/{args.host}/tcp/0",),
                          timeout=15.0)).start()
@@ -136,13 +138,12 @@ def run_donor(args: argparse.Namespace) -> int:
         momentum = torch.randn(args.numel, generator=gen) * 0.01
         snapshot = Snapshot.of(ROUND, master, momentum)
         del master, momentum
-        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, 1, FaultPlan()).start()
+        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, FaultPlan()).start()
         sync.serve(snapshot)
-        identity = Identity.generate()  # throwaway: signs this donor's heartbeats
 
-        def heartbeat() -> None:
-            publish_heartbeat(dht, identity, args.run_key, args.lifetime + 60, peer_id=dht.peer_id, round=ROUND,
-                              state_hash=snapshot.hash, throughput=0.0, train_loss=None, eval_loss=None)
+        def heartbeat() -> None:  # signed by the DHT's identity: heartbeats are bound to the libp2p id
+            publish_heartbeat(dht, dht.identity, args.run_key, args.lifetime + 60, **attestation_fields(snapshot),
+                              throughput=0.0, train_loss=None, eval_loss=None)
 
         heartbeat()
         info = {"peer_id": dht.peer_id, "maddrs": dht.visible_maddrs(), "hash": snapshot.hash,
@@ -172,10 +173,11 @@ def run_donor(args: argparse.Namespace) -> int:
 def run_joiner(args: argparse.Namespace) -> int:
     from hivetrain.dht.node import DHT, DHTOptions
     from hivetrain.peer.faults import FaultPlan
-    from hivetrain.peer.runspec import read_heartbeats
     from hivetrain.peer.state import sync as state_sync
-    from hivetrain.peer.state.snapshot import state_nbytes
-    from hivetrain.peer.state.sync import Attested, StateSync, StateSyncFailed, choose
+    from hivetrain.peer.state.choose import Attested, Clock, Own, State
+    from hivetrain.peer.state.heartbeats import read_heartbeats
+    from hivetrain.peer.state.snapshot import ZERO, state_nbytes
+    from hivetrain.peer.state.sync import StateSync, StateSyncFailed
 
     _patch_constants(args.piece_kib, args.per_donor)
     donor_ids: list[str] = args.donor_ids.split(",")
@@ -197,12 +199,13 @@ def run_joiner(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"saw heartbeats of {len(seen & set(donor_ids))}/{len(donor_ids)} donors "
                                    f"within {HEARTBEAT_TIMEOUT:.0f} s")
             time.sleep(0.5)
-        target = choose(heartbeats, dht.peer_id, 0, "0" * 64, quorum=1)
+        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, FaultPlan()).start()
+        choice = sync.check(Own(dht.peer_id, State(0, ZERO, ZERO)), {}, Clock(0.2, 0.0))  # as a joiner
+        target = choice.target
         if target is None or target.hash != args.expected_hash or not set(donor_ids) <= set(target.attesters):
-            raise RuntimeError(f"choose() picked {target}, expected the donors' state {args.expected_hash[:12]}")
-        _emit({"event": "ready", "heartbeat_wait_s": time.monotonic() - t0,
+            raise RuntimeError(f"fork choice picked {target}, expected the donors' state {args.expected_hash[:12]}")
+        _emit({"event": "ready", "heartbeat_wait_s": time.monotonic() - t0, "chosen": choice.detail,
                "per_donor": state_sync.PER_DONOR, "piece_size": state_sync.PIECE_SIZE})
-        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, 1, FaultPlan()).start()
         index = {pid: i for i, pid in enumerate(donor_ids)}
         trace: list[tuple[str, int, float, float]] = []  # (donor, piece index or -1, start, end), perf_counter
         fetch = sync._fetch
@@ -218,7 +221,8 @@ def run_joiner(args: argparse.Namespace) -> int:
         # time (a cold join) is reported apart
         w0 = time.perf_counter()
         try:
-            warm_ok = sync.download(Attested(target.round, target.hash, tuple(donor_ids)), args.timeout).hash \
+            warm_ok = sync.download(Attested(target.round, target.hash, target.parent, tuple(donor_ids)),
+                                    args.timeout).hash \
                 == args.expected_hash
         except StateSyncFailed as e:
             warm_ok = False
@@ -226,7 +230,7 @@ def run_joiner(args: argparse.Namespace) -> int:
         _emit({"event": "warmup", "donors": len(donor_ids), "seconds": time.perf_counter() - w0, "ok": warm_ok})
         for rep in range(args.repeat):
             for k in counts:
-                sub = Attested(target.round, target.hash, tuple(donor_ids[:k]))
+                sub = Attested(target.round, target.hash, target.parent, tuple(donor_ids[:k]))
                 gc.collect()
                 trace.clear()
                 busy0, w0 = _busy_seconds(), time.perf_counter()
@@ -425,7 +429,8 @@ def run_setting(setting: str, args: argparse.Namespace, workdir: Path) -> list[d
     run_key = make_run_key(RUN_NAME, Identity.generate().public_key)  # a throwaway owner
     net = Netns(n, args.rate) if setting == "netns" else None
     procs: list[Proc] = []
-    extra = [*(["--piece-kib", str(args.piece_kib)] if args.piece_kib else [])]
+    extra = [*(["--piece-kib", str(args.piece_kib)] if args.piece_kib else []),
+             *(["--per-donor", str(args.per_donor)] if args.per_donor else [])]
     lifetime = str(int(args.budget))
     b0, w0 = _busy_seconds(), time.monotonic()
     time.sleep(1.0)  # what the machine does without us (others' load skews the CPU-bound loopback numbers)
@@ -462,7 +467,6 @@ def run_setting(setting: str, args: argparse.Namespace, workdir: Path) -> list[d
                        "--expected-hash", expected, "--donor-ids", ",".join(i["peer_id"] for i in infos),
                        "--counts", ",".join(map(str, args.donor_counts)), "--repeat", str(args.repeat),
                        "--timeout", str(args.download_timeout), *extra,
-                       *(["--per-donor", str(args.per_donor)] if args.per_donor else []),
                        *(a for m in bootstrap for a in ("--initial-peers", m))],
                       net.prefix(n) if net is not None else [])
         procs.append(joiner)

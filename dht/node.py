@@ -24,7 +24,7 @@ from multiaddr import Multiaddr
 
 from . import hardening, store_guard
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
-from .identity import Identity
+from .identity import Identity, public_key_of
 from .process import children_die_with_us, remove_stale_sockets
 from .quota import QuotaConfig
 from .records import Envelope
@@ -79,7 +79,7 @@ class DHT:
         self._node: Any = None
         self.p2p: Any = None
         self.peer_id: str = ""
-        self._known: dict[str, None] = {}  # peer ids seen in this run, oldest first (bounded)
+        self._known: dict[str, None] = {}  # bound peer ids of this run, least recently noted first (bounded)
         self._refresher: asyncio.Task[None] | None = None
 
     def _run_loop(self) -> None:
@@ -160,14 +160,25 @@ class DHT:
         self._refresher = asyncio.create_task(self._refresh_routing())
 
     def remember_threadsafe(self, peer_ids: Any) -> None:
+        """``remember`` from another thread (the training thread); same contract."""
         self.loop.call_soon_threadsafe(self.remember, list(peer_ids))
 
     def remember(self, peer_ids: Any) -> None:
-        """Notes peers of this run (loop thread); ``_refresh_routing`` re-contacts those we lost."""
+        """Notes peers of this run (loop thread); ``_refresh_routing`` re-contacts those we lost.
+
+        Only bound identities may enter, or attackers choose whom we ping: pass the user's initial
+        peers, ids from records that passed ``records.decode_bound`` (the signer's own libp2p id),
+        or peers we completed rounds with. An id that embeds no Ed25519 key can sign no bound
+        record and is ignored. The most recently noted are pinged first; at most MAX_KNOWN are kept."""
         for peer_id in peer_ids:
-            if peer_id and peer_id != self.peer_id:
-                self._known.pop(peer_id, None)
-                self._known[peer_id] = None
+            if not peer_id or peer_id == self.peer_id:
+                continue
+            try:
+                public_key_of(peer_id)
+            except InvalidRecord:
+                continue
+            self._known.pop(peer_id, None)
+            self._known[peer_id] = None
         while len(self._known) > MAX_KNOWN:
             self._known.pop(next(iter(self._known)))
 

@@ -8,6 +8,11 @@ signed with Ed25519 over (kind, key, subkey, payload, expiration), so a record c
 another key, another subkey, or kept alive longer than its signer wanted. ``subkey`` is always the
 signer's fingerprint: a peer can only write under its own name. Payloads are flat msgpack maps with
 a fixed schema per kind; decoding never uses ext hooks, object deserializers or recursion beyond one level.
+
+Records that name a peer (``BOUND_KINDS``: heartbeats, ready records) are *bound* to the transport's
+identity: their ``peer_id`` field must be the libp2p peer id of the signer's key (``peer_id_of``).
+``decode_bound`` is the one way to read such a payload; the DHT validator applies the same check
+before storing, so a record that speaks in another peer's name is not even kept.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import msgpack
 
 from .errors import InvalidRecord
-from .identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity, fingerprint, verify
+from .identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity, fingerprint, peer_id_of, verify
 
 MAGIC = "HT1"
 MAX_RECORD_BYTES = 16 * 1024  # a whole envelope
@@ -156,10 +161,6 @@ def _is_float(lo: float, hi: float) -> Check:
     return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
 
 
-def _is_str(max_len: int) -> Check:
-    return lambda v: isinstance(v, str) and 0 < len(v) <= max_len
-
-
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # a base58 libp2p peer id
 
 
@@ -181,6 +182,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "peer_id": _is_peer_id,
         "round": _is_int(0, MAX_ROUND),
         "state_hash": _is_hex64,
+        "parent": _is_hex64,  # the state this one was computed from (lineage; peer/state/snapshot.py)
         "throughput": _is_float(0.0, 1e12),  # tokens per second
         "train_loss": _optional(_is_float(0.0, 1e6)),
         "eval_loss": _optional(_is_float(0.0, 1e6)),
@@ -192,6 +194,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "spec_hash": _is_hex64,
     },
 }
+BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id
 
 
 def encode_payload(kind: str, fields: dict[str, Any]) -> bytes:
@@ -211,3 +214,18 @@ def check_payload(kind: str, fields: Any) -> dict[str, Any]:
 
 def decode_payload(kind: str, payload: bytes) -> dict[str, Any]:
     return check_payload(kind, strict_unpack(payload, MAX_PAYLOAD_BYTES))
+
+
+def decode_bound(kind: str, envelope: Envelope) -> dict[str, Any]:
+    """The verified payload of ``envelope``, a record of ``kind`` (one of ``BOUND_KINDS``).
+
+    ``envelope`` must come from ``Envelope.decode`` (signature checked) or ``Envelope.sign``. Raises
+    InvalidRecord if it is of another kind, if its payload breaks the schema, or if its ``peer_id``
+    is not the libp2p id of the key that signed it: one libp2p identity speaks only for itself."""
+    if kind not in BOUND_KINDS or envelope.kind != kind:
+        raise InvalidRecord(f"expected a {kind} record, got a {envelope.kind} record")
+    fields = decode_payload(kind, envelope.payload)
+    signer = peer_id_of(envelope.public_key)
+    if fields["peer_id"] != signer:
+        raise InvalidRecord(f"{kind} record names peer {fields['peer_id'][:60]} but is signed by {signer}")
+    return fields

@@ -2,7 +2,8 @@
 
 Every DHT node of the swarm runs it on every record it is asked to store and on every record it
 reads, so a peer cannot write under another peer's subkey, publish a spec for a run it does not
-own, or keep a record alive past the expiration its signer chose.
+own, keep a record alive past the expiration its signer chose, or store a heartbeat or ready
+record that names a peer other than its signer (``records.decode_bound``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hivemind.dht.routing import DHTID
 
 from .errors import InvalidRecord
 from .identity import RUN_KEY_RE
-from .records import MAX_RECORD_BYTES, Envelope, strict_unpack
+from .records import BOUND_KINDS, MAX_RECORD_BYTES, Envelope, decode_bound, strict_unpack
 
 
 class EnvelopeValidator(RecordValidatorBase):
@@ -48,4 +49,6 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
         raise InvalidRecord(f"a {envelope.kind} record may not be stored under {envelope.key!r}")
     if envelope.kind == "spec" and parts[1].rsplit(".", 1)[1] != envelope.subkey:
         raise InvalidRecord("run spec not signed by the run owner")
+    if envelope.kind in BOUND_KINDS:
+        decode_bound(envelope.kind, envelope)  # schema, and the named peer is the signer
     return envelope

@@ -130,10 +130,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     from hivetrain.peer.faults import FaultPlan
     from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
     from hivetrain.peer.state import checkpoint
+    from hivetrain.peer.state.heartbeats import attestation_fields
     from hivetrain.peer.state.sync import StateKeeper, StateSync
     from hivetrain.peer.train.data import load_corpus
     from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
     from hivetrain.peer.train.model import Llama, count_parameters
+    from hivetrain.peer.trust import Trust
 
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
@@ -211,13 +213,15 @@ def cmd_start(args: argparse.Namespace) -> int:
         publisher = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl, say)
 
         def heartbeat(**fields: Any) -> None:
-            publisher(peer_id=dht.peer_id, **fields)
+            publisher(**fields)  # in our own name: the publisher signs with the DHT's identity
 
-        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, spec.sync_quorum, faults).start()
+        trust = Trust()  # earned trust: the trainer records completed rounds, fork choice reads it
+        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, faults).start()
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
         os.makedirs(ckpt_dir, exist_ok=True)
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
-        keeper = StateKeeper(sync, ckpt_path, timeout=spec.allreduce_timeout * 5, log=say)
+        keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
+                             min_round_s=spec.min_round_s, log=say)
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, faults, keeper),
                           options.device, options.eval_batches, say, heartbeat)
         try:
@@ -228,8 +232,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         if saved is not None:
             trainer.resume(saved)
         if options.wait_for_peers > 1:
-            heartbeat(round=trainer.outer.round, state_hash=trainer.outer.hash(), throughput=0.0,
-                      train_loss=None, eval_loss=None)
+            heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None,
+                      eval_loss=None)
             say(f"waiting for {options.wait_for_peers} peers (at most {args.wait_timeout:.0f} s)")
             seen = keeper.wait_for_peers(options.wait_for_peers, args.wait_timeout)
             if seen < options.wait_for_peers:

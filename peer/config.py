@@ -119,6 +119,7 @@ class RunSpec:
     error_feedback: bool = False  # send this round's quantization residual with the next round's part
     max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
     audit: bool = True  # every shard recomputed by a second member; a wrong aggregate is void (+50% part bytes)
+    min_round_s: float = 0.2  # seconds: no round is faster; bounds the round a heartbeat may claim (fork choice)
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -153,6 +154,7 @@ class RunSpec:
         _check_int("spec", "max_per_prefix", self.max_per_prefix, 0, 64)
         if not isinstance(self.audit, bool):
             raise ConfigError("spec.audit must be true or false")
+        _check_range("spec", "min_round_s", self.min_round_s, 0.01, 3600.0)
         if self.aggregation not in ("robust", "mean"):
             raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
         if self.version != SPEC_VERSION:

@@ -1,8 +1,11 @@
 """Local checkpoints of the outer state: written atomically every round, verified on read.
 
-Format: ``b"HTCK1\\n"`` | header length u32 LE | msgpack header {round, numel, hash} | state bytes.
-The state bytes are the same layout a joiner downloads (peer/state.py), and the hash is
-recomputed on read: a torn or tampered file is refused, never half-loaded.
+Format: ``b"HTCK2\\n"`` | header length u32 LE | msgpack header {round, numel, hash, parent, link}
+| state bytes. The state bytes are the same layout a joiner downloads (peer/state/snapshot.py), and
+the hash, which commits to the lineage (parent, link), is recomputed on read: a torn file, or one
+whose header and bytes disagree, is refused, never half-loaded. The hash lives in the same file, so
+this guards against accidents, not against someone who can rewrite the file. A ``HTCK1`` file
+(before lineage) is refused as an old format.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from typing import IO
 import msgpack
 
 from hivetrain.peer.errors import StateMismatch
-from hivetrain.peer.state.snapshot import Snapshot, state_nbytes
+from hivetrain.peer.state.snapshot import Snapshot, is_hex64, state_nbytes
 
-MAGIC = b"HTCK1\n"
+MAGIC = b"HTCK2\n"
+OLD_MAGIC = b"HTCK1\n"
+MAX_ROUND = 2**62
 
 
 def write(path: str, snapshot: Snapshot) -> None:
     """Writes ``snapshot`` to ``path`` atomically (temp file, fsync, rename)."""
-    header = msgpack.packb({"round": snapshot.round, "numel": snapshot.numel, "hash": snapshot.hash})
+    header = msgpack.packb({"round": snapshot.round, "numel": snapshot.numel, "hash": snapshot.hash,
+                            "parent": snapshot.parent, "link": snapshot.link})
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(MAGIC + struct.pack("<I", len(header)) + header)
@@ -37,16 +43,26 @@ def read(path: str, numel: int) -> Snapshot | None:
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
+        magic = f.read(len(MAGIC))
+        if magic == OLD_MAGIC:
+            raise StateMismatch(f"{path} is a checkpoint of an older format (no lineage)")
+        if magic != MAGIC:
             raise StateMismatch(f"{path} is not a hivetrain checkpoint")
-        (header_len,) = struct.unpack("<I", f.read(4))
+        raw_len = f.read(4)
+        if len(raw_len) != 4:
+            raise StateMismatch(f"{path} is truncated")
+        (header_len,) = struct.unpack("<I", raw_len)
         if header_len > 4096:
             raise StateMismatch(f"{path}: header too large")
         try:
             header = msgpack.unpackb(f.read(header_len), raw=False, max_bin_len=0, max_ext_len=0)
             round_, saved_numel, saved_hash = header["round"], header["numel"], header["hash"]
-        except Exception:
+            parent, link = header["parent"], header["link"]
+        except Exception:  # msgpack raises many types for a damaged file; all mean "unreadable"
             raise StateMismatch(f"{path}: unreadable header") from None
+        if not (_is_int(round_) and _is_int(saved_numel) and is_hex64(saved_hash) and is_hex64(parent)
+                and is_hex64(link)):
+            raise StateMismatch(f"{path}: malformed header")
         if saved_numel != numel:
             raise StateMismatch(f"{path} holds {saved_numel} values, the run's model has {numel}")
         data = f.read(state_nbytes(numel) + 1)
@@ -55,10 +71,14 @@ def read(path: str, numel: int) -> Snapshot | None:
     import torch
 
     flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
-    snapshot = Snapshot.of(round_, flat[:numel], flat[numel:])
+    snapshot = Snapshot.of(round_, flat[:numel], flat[numel:], parent=parent, link=link)
     if snapshot.hash != saved_hash:
         raise StateMismatch(f"{path} does not match its recorded hash")
     return snapshot
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ROUND
 
 
 def lock_dir(path: str) -> IO[bytes]:

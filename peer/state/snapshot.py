@@ -1,17 +1,25 @@
-"""The outer state as bytes: snapshot, piece hashes, state hash, restore. Pure: no network.
+"""The outer state as bytes: snapshot, manifest, state hash, restore. Pure: no network.
 
 Layout of a state (what a joiner downloads): ``master`` fp32 LE (n values) then ``momentum`` fp32
 LE (n values), cut into pieces of ``PIECE_SIZE`` bytes. The state hash commits to everything a
-member needs to take part in the next round bit-identically::
+member needs to take part in the next round bit-identically, and to the state's lineage::
 
-    state_hash = SHA-256("hivetrain-state-v2\\0" | round u64 | n u64 | PIECE_SIZE u64 | sha256(piece_0) | ...)
+    state_hash = SHA-256("hivetrain-state-v3\\0" | round u64 | n u64 | PIECE_SIZE u64
+                         | parent (32 bytes) | link (32 bytes) | sha256(piece_0) | ...)
 
-so a joiner can check every piece on its own, from any donor, as soon as it arrives.
+``parent`` is the hash of the state this one was computed from (``ZERO`` for the initial state);
+``link`` is the digest of what was applied to get here: the averager's ``applied`` digest for a
+completed round, ``VOID_LINK`` for a void round, ``ZERO`` for the initial state. So two states
+with equal bytes but different histories have different hashes, and a heartbeat's (hash, parent)
+links states into lineages (peer/state/choose.py). The manifest a joiner downloads is
+``parent | link | piece hashes``: with it the joiner recomputes the hash, then checks every piece on
+its own, from any donor, as soon as it arrives.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import sys
 from dataclasses import dataclass
@@ -20,11 +28,18 @@ import torch
 
 from hivetrain.peer.errors import StateMismatch
 
-PIECE_SIZE = 1 << 20  # bytes per piece (1 MiB)
+PIECE_SIZE = 1 << 20  # bytes per piece (1 MiB); a multiple of 4, so every piece holds whole fp32 values
 DIGEST_LEN = 32
 MAX_NUMEL = 1 << 34  # sanity cap on the parameter count a peer will believe
+ZERO = "0" * 64  # parent and link of the initial state
+VOID_LINK = hashlib.sha256(b"void").hexdigest()  # the link of a state produced by a void round
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 assert sys.byteorder == "little", "the state layout is little-endian"
+
+
+def is_hex64(value: object) -> bool:
+    return isinstance(value, str) and bool(_HEX64.fullmatch(value))
 
 
 def state_nbytes(numel: int) -> int:
@@ -35,17 +50,42 @@ def num_pieces(numel: int) -> int:
     return -(-state_nbytes(numel) // PIECE_SIZE)
 
 
+def manifest_nbytes(numel: int) -> int:
+    return 2 * DIGEST_LEN + num_pieces(numel) * DIGEST_LEN
+
+
 def piece_range(numel: int, index: int) -> tuple[int, int]:
     start = index * PIECE_SIZE
     return start, min(start + PIECE_SIZE, state_nbytes(numel))
 
 
-def digest(round_: int, numel: int, piece_hashes: list[bytes] | tuple[bytes, ...]) -> str:
-    h = hashlib.sha256(b"hivetrain-state-v2\0")
+def digest(round_: int, numel: int, parent: str, link: str, piece_hashes: list[bytes] | tuple[bytes, ...]) -> str:
+    """The state hash (module doc); ``parent`` and ``link`` are 64 lowercase hex characters."""
+    if not (is_hex64(parent) and is_hex64(link)):
+        raise ValueError("parent and link must be 64 lowercase hex characters")
+    h = hashlib.sha256(b"hivetrain-state-v3\0")
     h.update(struct.pack("<QQQ", round_, numel, PIECE_SIZE))
+    h.update(bytes.fromhex(parent))
+    h.update(bytes.fromhex(link))
     for piece_hash in piece_hashes:
         h.update(piece_hash)
     return h.hexdigest()
+
+
+def all_finite(data: bytes | memoryview) -> bool:
+    """Whether ``data`` (fp32 LE values) holds no NaN or Inf."""
+    if len(data) == 0:
+        return True
+    return bool(torch.isfinite(torch.frombuffer(bytearray(data), dtype=torch.float32)).all())
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a donor sends before the pieces, checked against the attested hash (``parse_manifest``)."""
+
+    parent: str
+    link: str
+    piece_hashes: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)
@@ -57,18 +97,21 @@ class Snapshot:
     data: bytes  # (2n,) fp32 LE: master then momentum
     piece_hashes: tuple[bytes, ...]
     hash: str
+    parent: str = ZERO  # hash of the state this one was computed from
+    link: str = ZERO  # digest of what was applied to get here (module doc)
 
     @classmethod
-    def of(cls, round_: int, master: torch.Tensor, momentum: torch.Tensor) -> Snapshot:
+    def of(cls, round_: int, master: torch.Tensor, momentum: torch.Tensor, *, parent: str = ZERO,
+           link: str = ZERO) -> Snapshot:
         numel = master.numel()
         data = master.numpy().tobytes() + momentum.numpy().tobytes()
         view = memoryview(data)
         pieces = tuple(hashlib.sha256(view[s:e]).digest()
                        for s, e in (piece_range(numel, i) for i in range(num_pieces(numel))))
-        return cls(round_, numel, data, pieces, digest(round_, numel, pieces))
+        return cls(round_, numel, data, pieces, digest(round_, numel, parent, link, pieces), parent, link)
 
     def manifest(self) -> bytes:
-        return b"".join(self.piece_hashes)
+        return bytes.fromhex(self.parent) + bytes.fromhex(self.link) + b"".join(self.piece_hashes)
 
     def piece(self, index: int) -> bytes:
         start, end = piece_range(self.numel, index)
@@ -80,29 +123,35 @@ class Snapshot:
         return flat[: self.numel].clone(), flat[self.numel :].clone()
 
 
-def parse_manifest(round_: int, numel: int, manifest: bytes, expected_hash: str) -> tuple[bytes, ...]:
-    """Checks a manifest from an untrusted donor against the attested hash; returns the piece hashes."""
+def parse_manifest(round_: int, numel: int, manifest: bytes, expected_hash: str) -> Manifest:
+    """Checks a manifest from an untrusted donor against the attested hash; raises StateMismatch."""
     if not 0 < numel <= MAX_NUMEL:
         raise StateMismatch(f"implausible parameter count {numel}")
-    if len(manifest) != num_pieces(numel) * DIGEST_LEN:
+    if not 0 <= round_ < 2**64:
+        raise StateMismatch(f"implausible round {round_}")
+    if len(manifest) != manifest_nbytes(numel):
         raise StateMismatch("state manifest has the wrong length")
-    pieces = tuple(manifest[i : i + DIGEST_LEN] for i in range(0, len(manifest), DIGEST_LEN))
-    if digest(round_, numel, pieces) != expected_hash:
+    parent, link = manifest[:DIGEST_LEN].hex(), manifest[DIGEST_LEN : 2 * DIGEST_LEN].hex()
+    body = manifest[2 * DIGEST_LEN :]
+    pieces = tuple(body[i : i + DIGEST_LEN] for i in range(0, len(body), DIGEST_LEN))
+    if digest(round_, numel, parent, link, pieces) != expected_hash:
         raise StateMismatch("state manifest does not match the attested state hash")
-    return pieces
+    return Manifest(parent, link, pieces)
 
 
-def assemble(round_: int, numel: int, piece_hashes: tuple[bytes, ...], pieces: dict[int, bytes],
+def assemble(round_: int, numel: int, manifest: Manifest, pieces: dict[int, bytes],
              verified: bool = False) -> Snapshot:
     """Builds a snapshot from pieces; raises StateMismatch if any is missing or wrong.
 
     ``verified=True`` skips re-hashing pieces the caller already checked one by one on arrival."""
-    if set(pieces) != set(range(len(piece_hashes))):
+    if set(pieces) != set(range(len(manifest.piece_hashes))):
         raise StateMismatch("state is missing pieces")
-    for i, expected in enumerate(piece_hashes):
+    for i, expected in enumerate(manifest.piece_hashes):
         if not verified and hashlib.sha256(pieces[i]).digest() != expected:
             raise StateMismatch(f"state piece {i} does not match its hash")
-    data = b"".join(pieces[i] for i in range(len(piece_hashes)))
+    data = b"".join(pieces[i] for i in range(len(manifest.piece_hashes)))
     if len(data) != state_nbytes(numel):
         raise StateMismatch("state has the wrong size")
-    return Snapshot(round_, numel, data, piece_hashes, digest(round_, numel, piece_hashes))
+    return Snapshot(round_, numel, data, manifest.piece_hashes,
+                    digest(round_, numel, manifest.parent, manifest.link, manifest.piece_hashes),
+                    manifest.parent, manifest.link)

@@ -7,17 +7,21 @@ Round r of one peer::
     avg         = all-reduce(delta) over the group         (or the round is void)
     theta_r+1   = NesterovSGD(theta_r, avg)                (outer step on the CPU master)
 
-Parameters travel as one flat fp32 vector in ``model.parameters()`` order.
+Parameters travel as one flat fp32 vector in ``model.parameters()`` order. Every state carries its
+lineage (peer/state/snapshot.py): the hash of the state it came from (``parent``) and the digest of
+what was applied to it (``link``), and its hash commits to both.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
-from hivetrain.peer.state.snapshot import Snapshot
+from hivetrain.peer.state.snapshot import VOID_LINK, ZERO, Snapshot, is_hex64
 
 
 def flat_numel(params: Iterable[torch.Tensor]) -> int:
@@ -71,10 +75,25 @@ def nesterov_outer_step(
     master.sub_(update.mul_(lr))
 
 
-def state_hash(round_: int, master: torch.Tensor, momentum: torch.Tensor) -> str:
-    """The hash that members attest: commits to the round and the exact bytes of the outer state."""
+def state_hash(round_: int, master: torch.Tensor, momentum: torch.Tensor, parent: str = ZERO,
+               link: str = ZERO) -> str:
+    """The hash that members attest: commits to the round, the exact bytes of the outer state and
+    its lineage (``parent``, ``link``: 64 hex characters each)."""
     return Snapshot.of(round_, master.detach().to("cpu", torch.float32).contiguous(),
-                       momentum.detach().to("cpu", torch.float32).contiguous()).hash
+                       momentum.detach().to("cpu", torch.float32).contiguous(), parent=parent, link=link).hash
+
+
+@torch.no_grad()
+def applied_digest(averaged: torch.Tensor, keep: Sequence[tuple[int, int]] = ()) -> str:
+    """SHA-256 (hex) of an outer step's input: the averaged delta's fp32 bytes and the kept ranges.
+
+    The link ``OuterState.apply`` uses when the averager hands none. Every member that applies the
+    same bytes with the same ``keep`` computes the same digest."""
+    h = hashlib.sha256(b"hivetrain-applied-v1\0")
+    h.update(averaged.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for start, end in keep:
+        h.update(struct.pack("<QQ", start, end))
+    return h.hexdigest()
 
 
 class OuterState:
@@ -93,6 +112,8 @@ class OuterState:
         self.momentum = torch.zeros(n, dtype=torch.float32)  # (n,) fp32, CPU
         self._local = torch.empty(n, dtype=torch.float32)  # (n,) scratch for theta_local
         self._delta = torch.empty(n, dtype=torch.float32)  # (n,) scratch for the pseudo-gradient
+        self.parent = ZERO  # lineage of the current state: the state it came from ...
+        self.link = ZERO  # ... and what was applied to it (the initial state has neither)
         self._snapshot: Snapshot | None = None
 
     @property
@@ -102,20 +123,21 @@ class OuterState:
     def snapshot(self) -> Snapshot:
         """The state at the current round boundary (cached until the state changes)."""
         if self._snapshot is None or self._snapshot.round != self.round:
-            self._snapshot = Snapshot.of(self.round, self.master, self.momentum)
+            self._snapshot = Snapshot.of(self.round, self.master, self.momentum, parent=self.parent, link=self.link)
         return self._snapshot
 
     def hash(self) -> str:
         return self.snapshot().hash
 
     def load(self, snapshot: Snapshot, model: nn.Module) -> None:
-        """Adopts a verified state (from peers or a checkpoint): master, momentum, round, params."""
+        """Adopts a verified state (from peers or a checkpoint): master, momentum, round, lineage, params."""
         if snapshot.numel != self.numel:
             raise ValueError(f"state has {snapshot.numel} values, this model {self.numel}")
         master, momentum = snapshot.tensors()
         self.master.copy_(master)
         self.momentum.copy_(momentum)
         self.round = snapshot.round
+        self.parent, self.link = snapshot.parent, snapshot.link
         self._snapshot = snapshot
         copy_flat_to_params(self.master, model.parameters())
 
@@ -124,22 +146,35 @@ class OuterState:
         copy_params_to_flat(model.parameters(), self._local)
         return pseudo_gradient(self.master, self._local, out=self._delta)
 
-    def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = ()) -> None:
+    def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = (),
+              link: str | None = None) -> None:
         """Completes the round: outer step with the group's averaged delta, then params <- master.
 
         ``keep``: [start, end) ranges the round voided (shards that failed their audit): their master
-        values and momentum stay as they were."""
+        values and momentum stay as they were. ``link``: the digest of what was applied, identical on
+        every member of the group (the averager's ``AverageResult.applied``, 64 lowercase hex
+        characters); None: ``applied_digest(averaged, keep)``. The new state's parent is the current
+        state. Raises ValueError for a malformed ``link``."""
+        link = applied_digest(averaged, keep) if link is None else link
+        if not is_hex64(link):
+            raise ValueError("link must be 64 lowercase hex characters")
+        parent = self.hash()
         kept = [(s, e, self.master[s:e].clone(), self.momentum[s:e].clone()) for s, e in keep]
         nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu)
         for s, e, master, momentum in kept:
             self.master[s:e] = master
             self.momentum[s:e] = momentum
         self.round += 1
+        self.parent, self.link = parent, link
         self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())
 
     def void(self, model: nn.Module) -> None:
-        """Voids the round: nothing is applied, params are restored to the master, the round advances."""
+        """Voids the round: nothing is applied, params are restored to the master, the round advances.
+
+        The new state's link is ``VOID_LINK``: every peer that voids the same state lands on the
+        same hash."""
+        self.parent, self.link = self.hash(), VOID_LINK
         self.round += 1
         self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())

@@ -21,6 +21,7 @@ from hivetrain.peer.averaging.api import Averager
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from hivetrain.peer.train.diloco import OuterState, copy_params_to_flat, state_hash
@@ -135,12 +136,13 @@ class Trainer:
         return dict(self.totals, initial_eval_loss=initial)
 
     def resume(self, snapshot: Snapshot) -> None:
-        """Starts from a verified local checkpoint; the first ``catch_up`` checks it is current."""
+        """Starts from a verified local checkpoint (its lineage included); the first ``catch_up``
+        checks it against the run."""
         self.outer.load(snapshot, self.model)
         self.log(f"resumed from checkpoint: round {snapshot.round}, state {snapshot.hash[:12]}")
 
     def catch_up(self) -> None:
-        """At a round boundary: moves to the run's state if ours is behind or outvoted."""
+        """At a round boundary: moves to the state fork choice picks (peer/state/choose.py), if any."""
         if self.parts.state is None:
             return
         t0 = time.perf_counter()
@@ -153,7 +155,7 @@ class Trainer:
         eval_loss = self._eval()
         # the hash of what the model now holds, recomputed from its parameters (not the cached snapshot)
         params = copy_params_to_flat(self.model.parameters(), torch.empty(self.numel, dtype=torch.float32))
-        loaded_hash = state_hash(self.outer.round, params, self.outer.momentum)
+        loaded_hash = state_hash(self.outer.round, params, self.outer.momentum, self.outer.parent, self.outer.link)
         self.parts.metrics.write({"event": "sync", "round": snapshot.round, "state_hash": loaded_hash,
                                   "from_round": from_round, "from_hash": from_hash, "eval_loss": eval_loss,
                                   "seconds": time.perf_counter() - t0, **info})
@@ -164,8 +166,8 @@ class Trainer:
         snapshot = self.outer.snapshot()
         if self.parts.state is not None:
             self.parts.state.committed(snapshot)
-        self.heartbeat(round=snapshot.round, state_hash=snapshot.hash, throughput=throughput,
-                       train_loss=train_loss, eval_loss=eval_loss)
+        self.heartbeat(**attestation_fields(snapshot), throughput=throughput, train_loss=train_loss,
+                       eval_loss=eval_loss)
 
     def run_round(self) -> dict[str, Any]:
         r, base = self.outer.round, self.outer.hash()

@@ -22,7 +22,6 @@ from hivetrain.dht.quota import QuotaConfig
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key, ready_key
 
 pytestmark = pytest.mark.timeout(60)
-PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 HASH = "cd" * 32
 RUN_KEY = make_run_key("quota", Identity.generate().public_key)
 
@@ -43,12 +42,13 @@ def start() -> Iterator[Callable[..., DHT]]:
 
 
 def heartbeat(identity: Identity, expiration: float) -> Envelope:
-    fields = dict(peer_id=PEER, round=1, state_hash=HASH, throughput=1.0, train_loss=None, eval_loss=None)
+    fields = dict(peer_id=identity.peer_id, round=1, state_hash=HASH, parent=HASH, throughput=1.0, train_loss=None,
+                  eval_loss=None)  # bound: in the signer's own name, or the validator refuses it
     return Envelope.sign(identity, "hb", heartbeat_key(RUN_KEY), encode_payload("hb", fields), expiration)
 
 
 def ready(identity: Identity, round_: int, expiration: float) -> Envelope:
-    fields = dict(peer_id=PEER, round=round_, base_hash=HASH, spec_hash=HASH)
+    fields = dict(peer_id=identity.peer_id, round=round_, base_hash=HASH, spec_hash=HASH)
     return Envelope.sign(identity, "ready", ready_key(RUN_KEY, round_), encode_payload("ready", fields), expiration)
 
 

@@ -1,5 +1,7 @@
-"""HeartbeatPublisher (peer/run.py) against a real DHT node on 127.0.0.1: the training loop never
-waits for a heartbeat store, a newer heartbeat supersedes a hung one, and failures are reported."""
+"""HeartbeatPublisher (peer/state/heartbeats.py) against a real DHT node on 127.0.0.1: the training
+loop never waits for a heartbeat store, a newer heartbeat supersedes a hung one, failures are
+reported, and heartbeats are bound to the libp2p identity: a record naming another peer is neither
+stored by the DHT nor read back."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 
 from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.peer.runspec import HeartbeatPublisher, read_heartbeats
+from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
+from hivetrain.peer.state.heartbeats import HeartbeatPublisher, read_heartbeats
 
 pytestmark = pytest.mark.timeout(60)
 HASH = "ab" * 32
@@ -27,7 +30,8 @@ def dht() -> Iterator[DHT]:
 
 
 def _fields(dht: DHT, round_: int) -> dict[str, Any]:
-    return dict(peer_id=dht.peer_id, round=round_, state_hash=HASH, throughput=1.0, train_loss=None, eval_loss=None)
+    return dict(peer_id=dht.peer_id, round=round_, state_hash=HASH, parent=HASH, throughput=1.0, train_loss=None,
+                eval_loss=None)
 
 
 def _wait(condition: Any, timeout: float = 20.0) -> None:
@@ -40,7 +44,7 @@ def _wait(condition: Any, timeout: float = 20.0) -> None:
 def test_a_hung_store_does_not_block_and_a_newer_heartbeat_supersedes_it(dht: DHT) -> None:
     run_key = make_run_key("hb", Identity.generate().public_key)
     warnings: list[str] = []
-    publisher = HeartbeatPublisher(dht, Identity.generate(), run_key, 120.0, warnings.append)
+    publisher = HeartbeatPublisher(dht, dht.identity, run_key, 120.0, warnings.append)
     store, release = dht.astore, threading.Event()
     hung: list[bool] = []
 
@@ -72,7 +76,7 @@ def test_a_hung_store_does_not_block_and_a_newer_heartbeat_supersedes_it(dht: DH
 def test_a_failing_store_is_reported_and_a_bad_field_does_not_raise(dht: DHT) -> None:
     run_key = make_run_key("hb", Identity.generate().public_key)
     warnings: list[str] = []
-    publisher = HeartbeatPublisher(dht, Identity.generate(), run_key, 120.0, warnings.append)
+    publisher = HeartbeatPublisher(dht, dht.identity, run_key, 120.0, warnings.append)
 
     async def broken_store(envelope: Any) -> bool:
         raise ConnectionError("p2pd went away")
@@ -81,5 +85,17 @@ def test_a_failing_store_is_reported_and_a_bad_field_does_not_raise(dht: DHT) ->
     publisher(**_fields(dht, 1))
     _wait(lambda: warnings)
     assert warnings == ["warning: heartbeat not published (ConnectionError)"]
-    publisher(**{**_fields(dht, 1), "peer_id": "not a peer id"})
-    assert len(warnings) == 2 and "heartbeat not published" in warnings[1], warnings
+    publisher(**{**_fields(dht, 1), "peer_id": Identity.generate().peer_id})  # another peer's name
+    assert len(warnings) == 2 and "only name the peer that signs it" in warnings[1], warnings
+    publisher(**{**_fields(dht, 1), "parent": None})
+    assert len(warnings) == 3 and "heartbeat not published" in warnings[2], warnings
+
+
+def test_a_heartbeat_naming_another_peer_is_not_stored_and_not_read(dht: DHT) -> None:
+    run_key = make_run_key("hb", Identity.generate().public_key)
+    liar = Identity.generate()
+    fields = {**_fields(dht, 7), "peer_id": dht.peer_id}  # signed by the liar, in our name
+    forged = Envelope.sign(liar, "hb", heartbeat_key(run_key), encode_payload("hb", fields), time.time() + 60)
+    assert dht.store(forged) is False  # our validator refuses it: not stored
+    HeartbeatPublisher(dht, dht.identity, run_key, 120.0, lambda w: None)(**_fields(dht, 3))
+    _wait(lambda: [(h["peer_id"], h["round"]) for h in read_heartbeats(dht, run_key)] == [(dht.peer_id, 3)])

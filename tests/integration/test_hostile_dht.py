@@ -12,7 +12,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
 from hivetrain.dht.hardening import nested_tuple_payload
-from hivetrain.dht.identity import Identity, make_run_key
+from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
 
 
@@ -37,11 +37,14 @@ async def _attack(maddr: str, run_key: str) -> dict[str, object]:
                 results[name] = type(e).__name__
         # a forged heartbeat: signed by the attacker, but placed under someone else's subkey
         liar, honest = Identity.generate(), Identity.generate()
-        fields = dict(peer_id="12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN", round=99,
-                      state_hash="0" * 64, throughput=1.0, train_loss=None, eval_loss=None)
+        fields = dict(peer_id=honest.peer_id, round=99, state_hash="0" * 64, parent="0" * 64, throughput=1.0,
+                      train_loss=None, eval_loss=None)
         forged = Envelope.sign(liar, "hb", heartbeat_key(run_key), encode_payload("hb", fields), time.time() + 30)
         results["overwrite"] = await attacker.store(heartbeat_key(run_key), forged.encode(), time.time() + 30,
                                                     subkey=honest.fingerprint)
+        # the same claim under the liar's own subkey: well signed, but it names another libp2p id
+        results["misattributed"] = await attacker.store(heartbeat_key(run_key), forged.encode(), time.time() + 30,
+                                                        subkey=liar.fingerprint)
         return results
     finally:
         await attacker.shutdown()
@@ -55,6 +58,7 @@ def test_nested_tuples_and_forged_records_do_not_hurt_a_peer(swarm) -> None:
     assert results["dict_value"] in ([False], "P2PHandlerError"), results
     assert results["subkey"] in ([False], "P2PHandlerError"), results
     assert results["overwrite"] is False, results
+    assert results["misattributed"] is False, results
     before = len(peer.records())
     deadline = time.monotonic() + 60
     while len(peer.records()) < before + 2:
@@ -65,7 +69,6 @@ def test_nested_tuples_and_forged_records_do_not_hurt_a_peer(swarm) -> None:
         except Exception:
             pass
     assert "Segmentation" not in peer.log.read_text()
-    assert make_run_key("hostile", b"\0" * 32) != info["run_key"]
 
 
 async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:

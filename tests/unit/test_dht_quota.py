@@ -24,7 +24,6 @@ from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key, ready
 from hivetrain.dht.store_guard import StoreGuard
 from hivetrain.dht.validator import EnvelopeValidator, check_record
 
-PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 HASH = "ab" * 32
 RUN_KEY = make_run_key("quota", Identity.generate().public_key)
 
@@ -143,12 +142,13 @@ def test_validator_refuses_a_nan_dht_expiration() -> None:
 
 
 def heartbeat(identity: Identity, expiration: float) -> Envelope:
-    fields = dict(peer_id=PEER, round=1, state_hash=HASH, throughput=1.0, train_loss=None, eval_loss=None)
+    fields = dict(peer_id=identity.peer_id, round=1, state_hash=HASH, parent=HASH, throughput=1.0, train_loss=None,
+                  eval_loss=None)  # bound: in the signer's own name, or the validator refuses it
     return Envelope.sign(identity, "hb", heartbeat_key(RUN_KEY), encode_payload("hb", fields), expiration)
 
 
 def ready(identity: Identity, round_: int, expiration: float) -> Envelope:
-    fields = dict(peer_id=PEER, round=round_, base_hash=HASH, spec_hash=HASH)
+    fields = dict(peer_id=identity.peer_id, round=round_, base_hash=HASH, spec_hash=HASH)
     return Envelope.sign(identity, "ready", ready_key(RUN_KEY, round_), encode_payload("ready", fields), expiration)
 
 

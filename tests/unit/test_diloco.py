@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from hivetrain.peer.config import ModelConfig
+from hivetrain.peer.state.snapshot import VOID_LINK, ZERO
 from hivetrain.peer.train.diloco import (
     OuterState,
+    applied_digest,
     copy_flat_to_params,
     copy_params_to_flat,
     flat_numel,
@@ -235,6 +237,9 @@ def test_state_hash_is_deterministic_and_sensitive() -> None:
     m2[0] = 1e-30
     assert state_hash(3, master, m2) != h
     assert state_hash(3, momentum, master) != h  # order of master and momentum matters
+    assert state_hash(3, master, momentum, parent="1" * 64) != h  # lineage: the parent ...
+    assert state_hash(3, master, momentum, link="1" * 64) != h  # ... and what was applied
+    assert state_hash(3, master, momentum, parent="1" * 64) != state_hash(3, master, momentum, link="1" * 64)
 
 
 def test_outer_state_hash_tracks_round_and_state(model: nn.Module) -> None:
@@ -247,3 +252,63 @@ def test_outer_state_hash_tracks_round_and_state(model: nn.Module) -> None:
     assert h1 != h0
     state.apply(torch.full((state.numel,), 1e-3), model)
     assert state.hash() not in (h0, h1)
+
+
+# ---- lineage --------------------------------------------------------------------------------------
+
+
+def test_the_initial_state_has_no_parent_and_no_link(model: nn.Module) -> None:
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    snap = state.snapshot()
+    assert (snap.parent, snap.link) == (ZERO, ZERO)
+    assert snap.hash == state_hash(0, state.master, state.momentum, ZERO, ZERO)
+
+
+def test_apply_links_the_new_state_to_the_old_one_and_to_what_was_applied(model: nn.Module) -> None:
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    h0 = state.hash()
+    averaged = torch.linspace(-0.01, 0.01, state.numel)
+    state.apply(averaged, model, link="ab" * 32)
+    snap = state.snapshot()
+    assert (snap.round, snap.parent, snap.link) == (1, h0, "ab" * 32)
+    assert snap.hash == state_hash(1, state.master, state.momentum, h0, "ab" * 32)
+
+    other = OuterState(build_model(TINY_CFG, seed=0), 0.7, 0.9)
+    other.apply(averaged, model, link="cd" * 32)  # the same bytes, applied as another round's result
+    assert torch.equal(other.master, state.master) and other.hash() != state.hash()
+
+
+def test_apply_without_a_link_uses_the_digest_of_the_applied_bytes(model: nn.Module) -> None:
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    averaged = torch.linspace(-0.01, 0.01, state.numel)
+    state.apply(averaged, model, keep=[(0, 5)])
+    assert state.link == applied_digest(averaged, [(0, 5)])
+    assert applied_digest(averaged, [(0, 5)]) != applied_digest(averaged) != applied_digest(averaged * 2)
+
+
+def test_apply_refuses_a_malformed_link(model: nn.Module) -> None:
+    state = OuterState(model, lr=0.7, momentum=0.9)
+    with pytest.raises(ValueError, match="link"):
+        state.apply(torch.zeros(state.numel), model, link="AB" * 32)
+    assert state.round == 0  # nothing applied
+
+
+def test_void_links_to_the_old_state_and_two_voids_agree(model: nn.Module) -> None:
+    a = OuterState(model, lr=0.7, momentum=0.9)
+    b = OuterState(build_model(TINY_CFG, seed=0), 0.7, 0.9)
+    h0 = a.hash()
+    a.void(model)
+    b.void(model)
+    assert (a.round, a.parent, a.link) == (1, h0, VOID_LINK)
+    assert a.hash() == b.hash() != h0  # every peer that voids the same state lands on the same hash
+
+
+def test_load_inherits_the_snapshots_lineage(model: nn.Module) -> None:
+    a = OuterState(model, lr=0.7, momentum=0.9)
+    a.apply(torch.full((a.numel,), 1e-3), model, link="ef" * 32)
+    snap = a.snapshot()
+    b = OuterState(build_model(TINY_CFG, seed=1), 0.7, 0.9)
+    b.load(snap, model)
+    assert (b.round, b.parent, b.link, b.hash()) == (1, snap.parent, "ef" * 32, snap.hash)
+    b.void(model)
+    assert b.parent == snap.hash

@@ -12,13 +12,24 @@ from hypothesis import strategies as st
 
 from hivetrain.dht.errors import InvalidRecord
 from hivetrain.dht.hardening import ExtNestingError, install
-from hivetrain.dht.records import Envelope, decode_payload, strict_unpack
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.records import Envelope, decode_bound, decode_payload, strict_unpack
 from hivetrain.dht.validator import check_record
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import decode, encoded_nbytes
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.net.wire import MAGIC, PREFIX, ProtocolError, read_frame
+from hivetrain.peer.state.choose import (
+    Attestation,
+    Clock,
+    Own,
+    State,
+    choose,
+    choose_joiner,
+    plan_contacts,
+    round_ceiling,
+)
 from hivetrain.peer.state.snapshot import parse_manifest
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -48,6 +59,20 @@ def test_payload_decode(data: bytes, kind: str) -> None:
         decode_payload(kind, data)
     except InvalidRecord:
         pass
+
+
+SIGNER = Identity.generate()
+
+
+@FUZZ
+@given(packed, st.sampled_from(["hb", "ready", "spec"]), st.sampled_from(["hb", "ready"]))
+def test_bound_decode(payload: bytes, kind: str, asked: str) -> None:
+    envelope = Envelope.sign(SIGNER, kind, "hivetrain/x/peers", payload[:8000], 1e9)
+    try:
+        fields = decode_bound(asked, envelope)
+    except InvalidRecord:
+        return
+    assert fields["peer_id"] == SIGNER.peer_id  # anything that decodes speaks for its signer
 
 
 @FUZZ
@@ -118,3 +143,27 @@ def test_hivemind_serializer_is_guarded(depth: int, junk: bytes) -> None:
         MSGPackSerializer.loads(packed_value + junk)
     except (ExtNestingError, ValueError, msgpack.ExtraData, struct.error):
         pass
+
+
+hashes = st.sampled_from([c * 64 for c in "0123456789"])
+states = st.builds(State, st.integers(0, 10**9), hashes, hashes)
+peers = st.sampled_from(["me", "t1", "t2", "t3", "s1", "s2"])
+
+
+@FUZZ
+@given(st.lists(st.builds(Attestation, peers, states), max_size=12), states, st.lists(states, max_size=6),
+       st.dictionaries(peers, st.floats(0.0, 1.0), max_size=4), st.floats(0.0, 1e6), st.sets(hashes, max_size=2))
+def test_fork_choice_on_arbitrary_attestations(found: list[Attestation], mine: State, history: list[State],
+                                               weights: dict[str, float], elapsed: float, exclude: set[str]) -> None:
+    """Whatever the heartbeats claim: no crash, and a target only ever comes from trusted peers
+    within the clock bound, never a refused or excluded state."""
+    own = Own("me", mine, tuple(history))
+    choice = choose(found, own, weights, Clock(0.2, elapsed), exclude=exclude)
+    if choice.target is not None:
+        t = choice.target
+        assert t.attesters and all(weights.get(p, 0.0) > 0 and p != "me" for p in t.attesters)
+        assert t.round <= round_ceiling(mine.round, elapsed, 0.2) and t.hash not in exclude
+        assert any(a.peer in t.attesters and (a.state.round, a.state.hash) == (t.round, t.hash) for a in found)
+    plan = plan_contacts(found, own, b"salt", exclude)
+    joined = choose_joiner(plan, own, {p: p[:1] for ps in plan.values() for p in ps})
+    assert joined.target is None or joined.target.hash not in exclude

@@ -1,5 +1,5 @@
 """Signed DHT records: identities and run keys (dht/identity.py), envelopes and payload schemas
-(dht/records.py), the DHT validator (dht/validator.py) and the owner check of a run spec (peer/run.py)."""
+(dht/records.py), the DHT validator (dht/validator.py) and the owner check of a run spec (peer/runspec.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from hivetrain.dht.records import (
     MAX_TTL,
     MAX_TTL_SPEC,
     Envelope,
+    decode_bound,
     decode_payload,
     encode_payload,
     heartbeat_key,
@@ -59,15 +60,17 @@ PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed l
 
 
 def _hb_fields(**over: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = dict(peer_id=PEER, round=3, state_hash=HASH, throughput=1234.5,
+    fields: dict[str, Any] = dict(peer_id=PEER, round=3, state_hash=HASH, parent="0" * 64, throughput=1234.5,
                                   train_loss=2.5, eval_loss=None)
     fields.update(over)
     return fields
 
 
 def _hb_envelope(identity: Identity, expiration: float = NOW + 60) -> Envelope:
+    """A heartbeat in the signer's own name (bound: peer_id is the signer's libp2p id)."""
     run_key = make_run_key("r1", identity.public_key)
-    return Envelope.sign(identity, "hb", heartbeat_key(run_key), encode_payload("hb", _hb_fields()), expiration)
+    payload = encode_payload("hb", _hb_fields(peer_id=identity.peer_id))
+    return Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, expiration)
 
 
 def _dht_args(env: Envelope, expiration: float | None = None) -> tuple[bytes, bytes, bytes, float]:
@@ -156,7 +159,7 @@ def test_envelope_round_trip(owner: Identity) -> None:
     data = env.encode()
     assert len(data) <= MAX_RECORD_BYTES
     assert Envelope.decode(data, now=NOW) == env
-    assert decode_payload("hb", Envelope.decode(data, now=NOW).payload) == _hb_fields()
+    assert decode_payload("hb", Envelope.decode(data, now=NOW).payload) == _hb_fields(peer_id=owner.peer_id)
 
 
 @pytest.mark.parametrize("index, tamper", [
@@ -333,6 +336,8 @@ def test_heartbeat_payload_round_trip() -> None:
     _hb_fields(throughput=-1.0),
     _hb_fields(state_hash="xyz"),
     _hb_fields(state_hash=HASH.upper()),
+    _hb_fields(parent="xyz"),
+    _hb_fields(parent=None),
     _hb_fields(peer_id=""),
     _hb_fields(peer_id="p" * 129),
     _hb_fields(peer_id="not a peer id!"),  # would break view messages and the DHT refresh
@@ -445,9 +450,56 @@ def test_check_record_rejects_kind_key_mismatch(owner: Identity, kind: str, key:
 
 def test_check_record_accepts_ready_record(owner: Identity) -> None:
     run_key = make_run_key("r1", owner.public_key)
-    payload = encode_payload("ready", dict(peer_id=PEER, round=12, base_hash=HASH, spec_hash=HASH))
+    payload = encode_payload("ready", dict(peer_id=owner.peer_id, round=12, base_hash=HASH, spec_hash=HASH))
     env = Envelope.sign(owner, "ready", ready_key(run_key, 12), payload, time.time() + 60)
     assert check_record(*_dht_args(env)) == env
+    assert decode_bound("ready", env)["peer_id"] == owner.peer_id
+
+
+# ---- records bound to the transport's identity ----------------------------------------------------
+
+
+def _ready_envelope(signer: Identity, named: str) -> Envelope:
+    run_key = make_run_key("r1", signer.public_key)
+    payload = encode_payload("ready", dict(peer_id=named, round=12, base_hash=HASH, spec_hash=HASH))
+    return Envelope.sign(signer, "ready", ready_key(run_key, 12), payload, time.time() + 60)
+
+
+def test_a_record_bound_to_its_signer_decodes(owner: Identity) -> None:
+    env = _hb_envelope(owner, time.time() + 60)
+    assert decode_bound("hb", Envelope.decode(env.encode())) == _hb_fields(peer_id=owner.peer_id)
+    assert check_record(*_dht_args(env)) == env
+
+
+@pytest.mark.parametrize("kind", ["hb", "ready"])
+def test_a_record_naming_another_peer_is_refused_by_decode_and_by_the_validator(
+        owner: Identity, other: Identity, kind: str) -> None:
+    """A signer that names another libp2p id (a real peer's, or a made-up one) speaks for nobody."""
+    for named in (other.peer_id, PEER):
+        if kind == "hb":
+            payload = encode_payload("hb", _hb_fields(peer_id=named))
+            env = Envelope.sign(owner, "hb", heartbeat_key(make_run_key("r1", owner.public_key)), payload,
+                                time.time() + 60)
+        else:
+            env = _ready_envelope(owner, named)
+        assert Envelope.decode(env.encode()) == env  # well-formed and validly signed
+        with pytest.raises(InvalidRecord, match="signed by"):
+            decode_bound(kind, env)
+        with pytest.raises(InvalidRecord, match="signed by"):
+            check_record(*_dht_args(env))
+
+
+def test_decode_bound_refuses_another_kind_and_a_bad_payload(owner: Identity) -> None:
+    env = _hb_envelope(owner, time.time() + 60)
+    with pytest.raises(InvalidRecord, match="expected a ready record"):
+        decode_bound("ready", env)
+    with pytest.raises(InvalidRecord):
+        decode_bound("spec", env)
+    bad = Envelope.sign(owner, "hb", env.key, msgpack.packb({"peer_id": owner.peer_id}), time.time() + 60)
+    with pytest.raises(InvalidRecord, match="exactly the fields"):
+        decode_bound("hb", bad)
+    with pytest.raises(InvalidRecord, match="exactly the fields"):
+        check_record(*_dht_args(bad))  # the validator checks the schema too: such a record is not stored
 
 
 # ---- identity files -------------------------------------------------------------------------------
