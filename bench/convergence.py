@@ -14,9 +14,11 @@ and every variant of seed s starts from ``build_model(preset, init_seed=s)``.
   clipped, then one AdamW step (the peers' settings). This is what fp32 DDP computes.
 * ``diloco_fp32_H<H>`` / ``diloco_int8_H<H>``: N workers, each a real :class:`~hivetrain.peer.train.loop.Trainer`
   (model, inner AdamW, ``inner_steps``, ``OuterState``) with its sampler replaced by the shared one above.
-  Every H inner steps their pseudo-gradients are reduced by ``InMemoryHub(N, codec).all_reduce`` (the network
-  averager's exact semantics: per-shard encode, fp32 reduce, one re-encode) and every worker applies the
-  outer Nesterov step; the workers' states are checked to be bit-identical after every round.
+  Every H inner steps their pseudo-gradients are averaged by the real averaging protocol of the run spec
+  (:class:`~hivetrain.peer.averaging.simulation.LocalSwarm`: matchmaking, per-shard encode, robust
+  aggregation by default, audits, probation, one re-encode, agreement on what was applied) over in-process
+  links, and every worker applies the outer Nesterov step; the workers' states are checked to be
+  bit-identical after every round.
 
 ``kernels/int8.py`` offers no error-feedback codec, so there is no ``int8ef`` variant.
 
@@ -48,9 +50,9 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.kernels.int8 import Codec, get_codec
-from hivetrain.peer.averaging.api import InMemoryHub, shard_bounds
+from hivetrain.peer.averaging.api import AverageResult, shard_bounds
+from hivetrain.peer.averaging.simulation import LocalSwarm
 from hivetrain.peer.config import PRESETS, RunSpec
-from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
 
@@ -75,12 +77,19 @@ def make_samplers(spec: RunSpec, corpus: Corpus, workers: int, seed: int) -> lis
     return [ShardSampler(corpus.train, spec.seq_len, spec.batch_size, worker_seed(seed, i)) for i in range(workers)]
 
 
-def make_trainer(spec: RunSpec, corpus: Corpus, peer_id: str, hub: InMemoryHub) -> Trainer:
+class _DrivenFromOutside:
+    """The averager of a benchmark trainer: the benchmark averages for all workers at once."""
+
+    def average(self, round_: int, base_hash: str, delta: Tensor) -> AverageResult:
+        raise AssertionError("the benchmark drives the outer step itself")
+
+
+def make_trainer(spec: RunSpec, corpus: Corpus, peer_id: str) -> Trainer:
     """A real peer Trainer (model from ``spec.init_seed``, inner AdamW, OuterState), without metrics or eval.
 
     The benchmark drives its ``inner_steps`` and ``outer`` directly; its averager is never called.
     """
-    parts = TrainerParts(spec, peer_id, corpus, hub.averager(peer_id), MetricsWriter(None), FaultPlan())
+    parts = TrainerParts(spec, peer_id, corpus, _DrivenFromOutside(), MetricsWriter(None))
     return Trainer(parts, device="cpu", eval_batch_count=0, log=lambda _: None)
 
 
@@ -122,7 +131,7 @@ class DdpSim:
     initialisation and the optimizer settings are the peers' own."""
 
     def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int):
-        trainer = make_trainer(spec, corpus, "ddp", InMemoryHub(1, get_codec("fp32")))
+        trainer = make_trainer(spec, corpus, "ddp")
         self.spec, self.model, self.optimizer = spec, trainer.model, trainer.inner_opt
         self.numel = trainer.numel
         self.samplers = make_samplers(spec, corpus, workers, seed)
@@ -138,8 +147,9 @@ class DilocoSim:
     """N workers in one thread; ``spec.sync_every`` is H, ``spec.outer_lr`` / ``outer_momentum`` the outer step."""
 
     def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int, codec: Codec):
-        self.hub = InMemoryHub(workers, codec)
-        self.trainers = [make_trainer(spec, corpus, f"worker{i}", self.hub) for i in range(workers)]
+        spec = dataclasses.replace(spec, compression=codec.name, target_group_size=workers)
+        self.trainers = [make_trainer(spec, corpus, f"worker{i}") for i in range(workers)]
+        self.swarm = LocalSwarm(spec, self.trainers[0].numel, workers)
         for trainer, sampler in zip(self.trainers, make_samplers(spec, corpus, workers, seed), strict=True):
             trainer.sampler = sampler  # the data order shared with the other variants
         self.numel = self.trainers[0].numel
@@ -160,12 +170,17 @@ class DilocoSim:
         if not all(math.isfinite(x) for x in losses):
             raise FloatingPointError(f"training loss became non-finite in round {self.round}: {losses}")
         base = self.trainers[0].outer.hash()
-        deltas = {t.parts.peer_id: t.outer.pseudo_gradient(t.model) for t in self.trainers}
-        _, averaged = self.hub.all_reduce(self.round, base, deltas)
-        for t in self.trainers:
-            t.outer.apply(averaged, t.model)
+        deltas = [t.outer.pseudo_gradient(t.model) for t in self.trainers]
+        results = self.swarm.all_reduce(self.round, base, deltas)
+        for t, result in zip(self.trainers, results, strict=True):
+            if not isinstance(result, AverageResult):
+                raise RuntimeError(f"{t.parts.peer_id}: the simulated round {self.round} failed: {result}")
+            t.outer.apply(result.averaged, t.model, keep=result.void_ranges, link=result.applied)
         self._check_identical()
         return sum(losses) / len(losses)
+
+    def close(self) -> None:
+        self.swarm.close()
 
     def _check_identical(self) -> None:
         first = self.trainers[0]
@@ -256,11 +271,14 @@ def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed
     rounds = cfg.steps // h
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
-    for r in range(1, rounds + 1):
-        train = sim.run_round()
-        losses.append(evaluate(sim.model, eval_set, "cpu"))
-        log(f"[diloco_{codec}_H{h} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
-            f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+    try:
+        for r in range(1, rounds + 1):
+            train = sim.run_round()
+            losses.append(evaluate(sim.model, eval_set, "cpu"))
+            log(f"[diloco_{codec}_H{h} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
+                f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+    finally:
+        sim.close()
     return SeedRun([r * h for r in range(rounds + 1)], losses, time.perf_counter() - t0, sim.numel)
 
 

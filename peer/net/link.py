@@ -44,7 +44,10 @@ Reply = tuple[dict[str, Any], bytes]
 class Ticket(Protocol):
     """An admitted message whose body (exactly ``body_len`` bytes) the server now reads."""
 
-    deadline: float  # monotonic seconds: the body must have arrived by then
+    @property
+    def deadline(self) -> float:
+        """Monotonic seconds: the body must have arrived by then."""
+        ...
 
     async def complete(self, body: bytes) -> Reply:
         """The reply, once the body is here."""
@@ -131,17 +134,13 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
             await writer.drain()
             sent = len(head)
             if body:
-                go, go_len = await read_header(reader, max(0.01, deadline - time.monotonic()))
-                if go_len or go.get("type") != "ack" or go["code"] != Code.CONTINUE:
-                    if go_len:
-                        raise ProtocolError("a refusal with a body")
-                    return go, b""
+                go, _ = await read_header(reader, max(0.01, deadline - time.monotonic()), max_body=0)
+                if go.get("type") != "ack" or go["code"] != Code.CONTINUE:
+                    return go, b""  # refused on the header: the body stays here
                 writer.write(body)
                 await writer.drain()
                 sent += len(body)
-            reply, reply_len = await read_header(reader, max(0.01, deadline - time.monotonic()))
-            if reply_len > max_reply_body:
-                raise ProtocolError(f"reply body of {reply_len} bytes exceeds the {max_reply_body} expected")
+            reply, reply_len = await read_header(reader, max(0.01, deadline - time.monotonic()), max_reply_body)
             reply_body = await read_body(reader, reply_len, max(0.01, deadline - time.monotonic()))
         finally:
             writer.close()

@@ -153,10 +153,12 @@ def _check_timeout(timeout: float) -> None:
         raise TimeoutError()
 
 
-async def read_header(reader: asyncio.StreamReader, timeout: float) -> tuple[dict[str, Any], int]:
+async def read_header(reader: asyncio.StreamReader, timeout: float,
+                      max_body: int | None = None) -> tuple[dict[str, Any], int]:
     """Reads a frame's prefix and header within ``timeout`` seconds; returns (header, body length).
-    The body is left unread. Raises ProtocolError for anything malformed, TimeoutError past the
-    deadline, IncompleteReadError if the stream ends."""
+    The body is left unread; a body longer than ``max_body`` is refused on the prefix alone. Raises
+    ProtocolError for anything malformed, TimeoutError past the deadline, IncompleteReadError if
+    the stream ends."""
     _check_timeout(timeout)
     async with asyncio.timeout(timeout):
         magic, header_len, body_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
@@ -164,6 +166,8 @@ async def read_header(reader: asyncio.StreamReader, timeout: float) -> tuple[dic
             raise ProtocolError("bad frame magic")
         if header_len > MAX_HEADER:
             raise ProtocolError(f"frame header of {header_len} bytes exceeds {MAX_HEADER}")
+        if max_body is not None and body_len > max_body:
+            raise ProtocolError(f"frame body of {body_len} bytes exceeds the {max_body} allowed here")
         try:
             header = msgpack.unpackb(
                 await reader.readexactly(header_len), raw=False, strict_map_key=True, ext_hook=_reject_ext,
@@ -191,8 +195,6 @@ async def read_frame(reader: asyncio.StreamReader, timeout: float, max_body: int
     which is checked before it is read. Raises as ``read_header``."""
     _check_timeout(timeout)
     async with asyncio.timeout(timeout):
-        header, body_len = await read_header(reader, timeout)
-        if body_len > max_body:
-            raise ProtocolError(f"frame body of {body_len} bytes exceeds the {max_body} allowed here")
+        header, body_len = await read_header(reader, timeout, max_body)
         body = await reader.readexactly(body_len) if body_len else b""
     return header, body

@@ -18,14 +18,15 @@ from typing import Any, Protocol, TextIO
 import torch
 
 from hivetrain.peer.averaging.api import Averager
+from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from hivetrain.peer.train.diloco import OuterState, copy_params_to_flat, state_hash
 from hivetrain.peer.train.model import build_model
+from hivetrain.peer.trust import Trust
 
 
 class StateHooks(Protocol):
@@ -72,8 +73,9 @@ class TrainerParts:
     corpus: Corpus
     averager: Averager
     metrics: MetricsWriter
-    faults: FaultPlan
+    behaviour: Behaviour = HONEST  # faults are injected here (peer/faults.py); the honest peer by default
     state: StateHooks | None = None
+    trust: Trust | None = None  # the earned-trust ledger the averager and fork choice read; we record into it
 
 
 class Trainer:
@@ -170,16 +172,19 @@ class Trainer:
                        eval_loss=eval_loss)
 
     def run_round(self) -> dict[str, Any]:
+        """One outer round: H inner steps, the group's all-reduce, the outer step (or a void round)."""
         r, base = self.outer.round, self.outer.hash()
         t0 = time.perf_counter()
         train_loss, tokens_per_s = self.inner_steps()
-        if not math.isfinite(train_loss):
-            raise RoundFailed(f"training loss became {train_loss} in round {r}; refusing to share it")
         delta = self.outer.pseudo_gradient(self.model)
         t1 = time.perf_counter()
         record: dict[str, Any] = {"event": "round", "round": r, "base_hash": base, "inner_steps": self.spec.sync_every,
-                                  "train_loss": train_loss, "tokens_per_s": tokens_per_s, "compute_s": t1 - t0}
+                                  "train_loss": train_loss if math.isfinite(train_loss) else None,
+                                  "tokens_per_s": tokens_per_s, "compute_s": t1 - t0}
         try:
+            if not math.isfinite(train_loss):
+                self.inner_opt.state.clear()  # its moments are poisoned too: start them afresh
+                raise RoundFailed(f"training loss became {train_loss} in round {r}; our pseudo-gradient is not shared")
             result = self.parts.averager.average(r, base, delta)
         except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
             self.outer.void(self.model)
@@ -188,7 +193,9 @@ class Trainer:
                           excluded=e.excluded)
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
-            self.outer.apply(result.averaged, self.model, keep=result.void_ranges)
+            self.outer.apply(result.averaged, self.model, keep=result.void_ranges, link=result.applied)
+            if self.parts.trust is not None:  # what fork choice and probation weigh: rounds completed together
+                self.parts.trust.record_completed(r, result.group, self.parts.peer_id)
             self.totals["rounds_completed"] += 1
             self.totals["bytes_sent"] += result.bytes_sent
             self.totals["bytes_received"] += result.bytes_received
@@ -196,19 +203,19 @@ class Trainer:
                 self.numel, len(result.group))
             record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
                           bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                          excluded=result.excluded, void_shards=[list(r) for r in result.void_ranges], **result.stats)
+                          excluded=result.excluded, void_shards=[list(v) for v in result.void_ranges], **result.stats)
         self.totals["inner_steps"] += self.spec.sync_every
         record["allreduce_s"] = time.perf_counter() - t1
         eval_loss = self._eval()
         state = self.outer.hash()
         record.update(state_hash=state, eval_loss=eval_loss)
         self.parts.metrics.write(record)
-        self._committed(tokens_per_s, train_loss, eval_loss)
+        self._committed(tokens_per_s, record["train_loss"], eval_loss)
         if not record["void"]:
             self.log(f"round {r}: train {train_loss:.3f} | held-out {_fmt(eval_loss)} | group {record['group_size']} "
                      f"| sent {record['bytes_sent'] / 1e6:.2f} MB | {record['compute_s']:.1f}s compute "
                      f"{record['allreduce_s']:.1f}s all-reduce | state {state[:12]}")
-        self.parts.faults.fire("after_round", r)
+        self.parts.behaviour.at("after_round", r)
         return record
 
 

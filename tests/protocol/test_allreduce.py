@@ -98,3 +98,46 @@ def test_a_member_cut_off_after_matchmaking_voids_the_round_for_all_at_the_deadl
         assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1)), members=n)  # the next round works again
     finally:
         swarm.close()
+
+
+def test_a_member_that_decides_late_still_gets_every_part_and_the_group_completes() -> None:
+    """Members decide at different times: parts sent to a member still matchmaking are answered
+    NOT_READY and sent again until it has its session (nothing is held for it meanwhile)."""
+    n = 3
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    late = swarm.peers[2]
+    real = late.average_async
+
+    async def slow_start(round_: int, base: str, delta: torch.Tensor) -> AverageResult:
+        import asyncio
+
+        await asyncio.sleep(0.8)
+        return await real(round_, base, delta)
+
+    late.average_async = slow_start  # type: ignore[method-assign]
+    try:
+        assert_identical(swarm.all_reduce(0, BASE, deltas(n)), members=n)
+    finally:
+        swarm.close()
+
+
+def test_a_peer_arriving_after_the_group_decided_is_left_out_and_the_group_completes() -> None:
+    n = 3
+    swarm = LocalSwarm(spec(3, matchmaking_timeout=0.6), NUMEL, n)
+    late = swarm.peers[2]
+    real = late.average_async
+
+    async def very_late(round_: int, base: str, delta: torch.Tensor) -> AverageResult:
+        import asyncio
+
+        await asyncio.sleep(2.5)  # after the others' window and agreement
+        return await real(round_, base, delta)
+
+    late.average_async = very_late  # type: ignore[method-assign]
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        assert_identical(results[:2], members=2)
+        assert len(results[0].group) == 2  # type: ignore[union-attr]
+        assert isinstance(results[2], RoundFailed) or len(results[2].group) == 1, story(results)
+    finally:
+        swarm.close()

@@ -125,7 +125,7 @@ def _flat(model: nn.Module) -> Tensor:
 
 
 def test_diloco_h1_lr1_no_momentum_is_the_average_of_the_local_steps(corpus: Corpus) -> None:
-    spec, workers, seed = _spec(outer_lr=1.0, outer_momentum=0.0), 3, 5
+    spec, workers, seed = _spec(outer_lr=1.0, outer_momentum=0.0, aggregation="mean"), 3, 5
     sim = DilocoSim(spec, corpus, workers, seed, get_codec("fp32"))
     # the reference: each worker's own model, AdamW (the peers' settings) and sampler; average after each step
     models = [build_model(TINY_CFG, spec.init_seed) for _ in range(workers)]
@@ -150,6 +150,7 @@ def test_diloco_h1_lr1_no_momentum_is_the_average_of_the_local_steps(corpus: Cor
         assert sim.round == round_ + 1
         for t in sim.trainers:
             torch.testing.assert_close(_flat(t.model), average)
+    sim.close()
 
 
 def test_diloco_int8_workers_stay_identical_and_learn(corpus: Corpus) -> None:
@@ -160,6 +161,7 @@ def test_diloco_int8_workers_stay_identical_and_learn(corpus: Corpus) -> None:
     assert sim.round == 2
     assert not torch.equal(_flat(sim.model), before)
     assert len({t.outer.hash() for t in sim.trainers}) == 1
+    sim.close()
 
 
 def test_ddp_and_diloco_share_initialisation_and_data_order(corpus: Corpus) -> None:
@@ -172,6 +174,7 @@ def test_ddp_and_diloco_share_initialisation_and_data_order(corpus: Corpus) -> N
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert not torch.equal(ddp.samplers[0].next_batch()[0], ddp.samplers[1].next_batch()[0])
     assert worker_seed(0, 1) != worker_seed(1, 0)
+    diloco.close()
 
 
 def test_round_bytes() -> None:

@@ -196,7 +196,7 @@ def test_fault_plan_parse_good() -> None:
 def test_fault_plan_parse_empty(text: str | None) -> None:
     plan = FaultPlan.parse(text)
     assert plan.action is None
-    plan.fire("after_parts", 0)  # an empty plan never fires
+    plan.at("after_parts", 0)  # an empty plan never fires
     assert not plan.fired
 
 
@@ -212,10 +212,10 @@ def test_fault_plan_parse_bad(text: str) -> None:
 
 def test_fault_plan_fires_only_at_its_point_and_round() -> None:
     plan = FaultPlan.parse("exit@after_round:3")
-    plan.fire("after_round", 2)
-    plan.fire("before_parts", 3)
+    plan.at("after_round", 2)
+    plan.at("before_parts", 3)
     assert not plan.fired
     with pytest.raises(SystemExit):
-        plan.fire("after_round", 3)
+        plan.at("after_round", 3)
     assert plan.fired
-    plan.fire("after_round", 3)  # at most once: no second exit
+    plan.at("after_round", 3)  # at most once: no second exit

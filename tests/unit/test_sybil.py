@@ -1,4 +1,4 @@
-"""Sybil brakes (peer/sybil.py): prefix_of, cap_by_prefix, observed_* against fake daemons, Probation."""
+"""Sybil brakes (peer/averaging/sybil.py): prefix_of, cap_by_prefix, observed_* against fake daemons."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from multiaddr import Multiaddr
 from hivetrain.peer.averaging import sybil
 from hivetrain.peer.averaging.sybil import (
     MAX_ADDRS_PER_PEER,
-    Probation,
     cap_by_prefix,
     first_prefix,
     observed_addrs,
@@ -296,83 +295,3 @@ def test_cancellation_propagates() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(go())
-
-
-# ---- Probation ------------------------------------------------------------------------------------
-
-
-def test_a_node_without_history_trusts_everyone() -> None:
-    p = Probation()
-    assert p.weight("X", 0) == 1.0 and p.weight("X", 7) == 1.0
-    assert p.weights(["me", "X", "Y"], "me", 7) == [1.0, 1.0, 1.0]
-
-
-def test_newcomers_are_on_probation_for_one_round() -> None:
-    p = Probation()
-    p.record_completed(3, ["me", "A", "B"])
-    assert p.weight("A", 4) == 1.0 and p.weight("me", 4) == 1.0
-    assert p.weight("N", 4) == 0.0
-    assert p.weights(["A", "me", "N", "B"], "me", 4) == [1.0, 1.0, 0.0, 1.0]
-    p.record_completed(4, ["me", "A", "N"])  # N sat through round 4 at weight 0
-    assert p.weights(["A", "me", "N", "B"], "me", 5) == [1.0, 1.0, 1.0, 1.0]
-
-
-def test_history_counts_only_before_the_round() -> None:
-    p = Probation()
-    p.record_completed(5, ["me", "A"])
-    assert p.weight("B", 5) == 1.0  # we had no history before round 5
-    assert p.weight("A", 5) == 1.0
-    p.record_completed(7, ["me", "B"])
-    assert p.weight("B", 7) == 0.0 and p.weight("B", 8) == 1.0
-    p.record_completed(2, ["me", "C"])  # out of order: first rounds are minima
-    assert p.weight("C", 3) == 1.0 and p.weight("A", 3) == 0.0
-
-
-def test_our_own_id_is_never_on_probation() -> None:
-    p = Probation()
-    p.record_completed(1, ["A", "B"])  # even if a caller left us out of the group
-    assert p.weights(["me", "A", "N"], "me", 2) == [1.0, 1.0, 0.0]
-
-
-def test_all_others_on_probation_falls_back_to_equal_weights() -> None:
-    p = Probation()
-    p.record_completed(1, ["me", "A"])
-    assert p.weights(["me", "N1", "N2"], "me", 2) == [1.0, 1.0, 1.0]  # only ours would count
-    assert p.weights(["N1", "N2"], "me", 2) == [1.0, 1.0]  # total would be 0
-    assert p.weights(["me"], "me", 2) == [1.0]
-    assert p.weights([], "me", 2) == []
-
-
-def test_least_recently_seen_peers_are_forgotten() -> None:
-    p = Probation(max_known=3)
-    p.record_completed(1, ["me", "A", "B"])
-    p.record_completed(2, ["me", "C"])  # A is now the least recently seen
-    assert len(p) == 3
-    assert p.weight("A", 3) == 0.0  # forgotten: on probation again
-    assert p.weight("B", 3) == 1.0 and p.weight("C", 3) == 1.0 and p.weight("me", 3) == 1.0
-    p.record_completed(3, ["me", "B", "D"])  # C evicted; B refreshed
-    assert len(p) == 3
-    assert [p.weight(x, 4) for x in ("B", "C", "D", "me")] == [1.0, 0.0, 1.0, 1.0]
-
-
-def test_probation_rejects_a_useless_cap() -> None:
-    with pytest.raises(ValueError, match="max_known"):
-        Probation(max_known=0)
-
-
-@given(st.lists(st.tuples(st.integers(0, 20), st.lists(st.sampled_from("ABCDEFG"), max_size=4, unique=True)),
-                max_size=20),
-       st.integers(0, 25), st.lists(st.sampled_from("ABCDEFGXYZ"), max_size=8, unique=True))
-@settings(max_examples=200, deadline=None)
-def test_probation_properties(history: list[tuple[int, list[str]]], round_: int, order: list[str]) -> None:
-    p = Probation(max_known=5)
-    for r, group in history:
-        p.record_completed(r, ["me", *group])
-    assert len(p) <= 5
-    ws = p.weights(order, "me", round_)
-    assert len(ws) == len(order) and set(ws) <= {0.0, 1.0}
-    assert any(w > 0 for x, w in zip(order, ws, strict=True) if x != "me") or not [x for x in order if x != "me"]
-    ws_me = p.weights(["me", *order], "me", round_)
-    assert ws_me[0] == 1.0
-    if not any(r < round_ for r, _ in history):
-        assert set(ws) <= {1.0}  # no history before this round: everyone trusted

