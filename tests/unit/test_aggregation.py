@@ -1,49 +1,125 @@
-"""Robust aggregation: bounded influence of Byzantine contributions, near-mean without them."""
+"""Robust aggregation: bounded influence of Byzantine contributions, near-mean without them.
+
+The bound stated in SECURITY.md ("Robust aggregation") is checked here by a search over attack
+directions and magnitudes through the production path: int8 parts -> reduce_shard(..., "robust").
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer.averaging.aggregation import aggregate, mean, outliers, robust_mean
-from hivetrain.peer.averaging.api import reduce_parts
+from hivetrain.peer.averaging.reduce import ShardInputs, reduce_shard
 
-D = 20_000
+D = 2048
+CODEC = get_codec("int8", 256)
+# The bounds stated in SECURITY.md ("Robust aggregation"), in units of the largest honest deviation from
+# the honest mean, per honest model (see _honest): (model, n, f, bound), f < n / 2.
+# f = (n - 1) / 2 is the hardest f for each n. A wider search found, graded: at most 1.18x (n = 17; 1.17x
+# at n = 15, below 1.0x from n = 33 on); equal: 1.21x (n = 7), 1.35x (n = 9), 1.68x (n = 17), 1.93x
+# (n = 31-63).
+CASES = [("graded", 3, 1, 1.25), ("graded", 5, 2, 1.25), ("graded", 7, 3, 1.25), ("graded", 9, 4, 1.25),
+         ("graded", 17, 8, 1.25), ("equal", 7, 3, 1.5), ("equal", 9, 4, 1.5), ("equal", 17, 8, 2.0)]
 
 
-def _honest(n: int, seed: int) -> list[torch.Tensor]:
+def _honest(n: int, seed: int, model: str = "graded") -> list[torch.Tensor]:
+    """n honest parts: a common direction plus member noise, of std 0.5 (1 + 0.3 i) for member i
+    ("graded": members of different quality) or 0.7 for every member ("equal")."""
     g = torch.Generator().manual_seed(seed)
     common = torch.randn(D, generator=g)
+    if model == "equal":
+        return [common + 0.7 * torch.randn(D, generator=g) for _ in range(n)]
     return [common + 0.5 * (1 + 0.3 * i) * torch.randn(D, generator=g) for i in range(n)]
 
 
-def _attack(kind: str, honest: list[torch.Tensor]) -> torch.Tensor:
+MAGNITUDES = (0.5, 1, 2, 3, 4, 6)
+
+
+def _attacks(honest: list[torch.Tensor], f: int, seed: int,
+             magnitudes: tuple[float, ...] = MAGNITUDES) -> Iterator[tuple[str, float, list[torch.Tensor]]]:
+    """(name, magnitude, the f attackers' parts): identical attackers along directions that have
+    broken robust aggregators (ALIE, arXiv 1902.06156; IPM; toward and past zero, which broke the
+    previous clip radius), far along honest directions, and non-identical ones that copy honest
+    deviations around a shifted centre. IPM, scaled copies and a huge part only at the default
+    magnitudes."""
     hm = mean(honest)
-    if kind == "flip":
-        return -1000.0 * honest[0]
-    if kind == "huge":
-        return 1e6 * honest[0]
-    return torch.full((D,), 3.0 * float(hm.norm()) / D**0.5)  # a constant direction, 3x the norm
+    sd = torch.stack(honest).std(dim=0)  # (D,) per-coordinate honest spread
+    radius = max(float((h - hm).norm()) for h in honest)
+    g = torch.Generator().manual_seed(seed + 1)
+    orth = torch.randn(hm.numel(), generator=g)
+    orth -= (orth @ hm) / (hm @ hm) * hm
+    unit = {"orth": orth / orth.norm(), "sign": torch.sign(hm) / hm.numel() ** 0.5}  # along hm: "scaled", "ipm"
+    far = max(honest, key=lambda h: float((h - hm).norm()))
+    unit["far"] = (far - hm) / (far - hm).norm()
+    for t in magnitudes:
+        for c in (1.0, 2.0):  # ALIE around the mean and around twice the mean (found by a wider search)
+            yield f"alie-x{c:g}", t, [c * hm - t * sd] * f
+        yield "toward-zero", t, [hm - t * sd * torch.sign(hm)] * f
+        for name, u in unit.items():
+            yield f"+{name}", t, [hm + t * radius * u] * f
+            yield f"-{name}", t, [hm - t * radius * u] * f
+        yield "mimic", t, [h + t * radius * unit["orth"] for h in honest[:f]]
+    if magnitudes == MAGNITUDES:
+        for eps in (0.1, 0.5, 1, 2, 5, 20):
+            yield "ipm", eps, [-eps * hm] * f
+        for s in (0, 0.5, 2, 4):
+            yield "scaled", s, [s * hm] * f
+        yield "huge", 1e6, [1e6 * honest[0]] * f
 
 
-def _reducer(parts: list[torch.Tensor]) -> torch.Tensor:
-    """What a robust reducer computes: outliers left out, then robust_mean."""
-    left_out = set(outliers(parts))
-    return robust_mean([p for i, p in enumerate(parts) if i not in left_out])
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tensors of a few thousand values: threads only add contention on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("kind", ["flip", "huge", "const"])
-@pytest.mark.parametrize(("n", "f"), [(4, 1), (5, 2), (8, 3)])
-def test_byzantine_minority_stays_within_the_stated_bound(kind: str, n: int, f: int) -> None:
-    honest = _honest(n - f, seed=n * 10 + f)
+def _reduce(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The production path: int8 parts -> reduce_shard(..., "robust") -> the applied values."""
+    order = [f"m{i}" for i in range(len(parts))]
+    received = {p: CODEC.encode(x) for p, x in zip(order, parts, strict=True)}
+    shard = reduce_shard(ShardInputs(received, {}, order, D, CODEC, "robust"))
+    return CODEC.decode(shard.result, D)  # (D,) what every member applies
+
+
+def _search(model: str, n: int, f: int, seed: int) -> tuple[float, str, float]:
+    """Worst deviation of robust and of the plain mean from the honest mean, in largest honest
+    deviations, over the attack grid, then at finer magnitudes around robust's worst."""
+    honest = [CODEC.decode(CODEC.encode(h), D) for h in _honest(n - f, seed, model)]  # as the reducer sees them
     hm = mean(honest)
-    spread = max(float((h - hm).norm()) for h in honest)
-    parts = honest + [_attack(kind, honest) for _ in range(f)]
-    robust = _reducer(parts)
-    plain = mean(parts)
-    assert float((robust - hm).norm()) <= 1.0 * spread  # the bound stated in SECURITY.md
-    assert float((plain - hm).norm()) > 1.2 * spread  # the attack is real: the plain mean is pulled away
+    radius = max(float((h - hm).norm()) for h in honest)
+
+    def deviation(parts: list[torch.Tensor]) -> float:
+        return float((_reduce(parts) - hm).norm()) / radius
+
+    worst, worst_name, worst_t, plain = 0.0, "", 0.0, 0.0
+    for name, t, bad in _attacks(honest, f, seed):
+        robust = deviation(bad + honest)
+        if robust > worst:
+            worst, worst_name, worst_t = robust, name, t
+        if name != "huge":  # the plain mean's worst among attacks of ordinary size
+            decoded = [CODEC.decode(CODEC.encode(b), D) for b in bad]
+            plain = max(plain, float((mean(decoded + honest) - hm).norm()) / radius)  # what "mean" applies
+    finer = tuple(worst_t * s for s in (0.8, 0.9, 1.1, 1.25))
+    for name, _, bad in _attacks(honest, f, seed, finer):
+        if name == worst_name:
+            worst = max(worst, deviation(bad + honest))
+    return worst, worst_name, plain
+
+
+@pytest.mark.parametrize(("model", "n", "f", "bound"), CASES)
+def test_a_search_over_attacks_stays_within_the_stated_bound(model: str, n: int, f: int, bound: float) -> None:
+    worst, name, plain = _search(model, n, f, seed=n)
+    print(f"{model} n={n} f={f}: worst {worst:.3f} ({name}), plain mean {plain:.1f}")
+    assert worst <= bound, f"n={n} f={f}: {name} moves robust {worst:.3f}x the largest honest deviation"
+    assert worst >= 0.5  # the search pushes robust aggregation somewhere: it is not vacuous
+    assert plain >= 3 * bound  # and attacks of ordinary size move the plain mean far beyond the bound
 
 
 def test_outliers_are_named() -> None:
@@ -53,21 +129,30 @@ def test_outliers_are_named() -> None:
     assert outliers(honest[:2]) == []  # no majority to judge with
 
 
-def test_honest_only_cost_is_small_and_identical_inputs_are_exact() -> None:
-    honest = _honest(5, seed=2)
-    hm = mean(honest)
-    spread = max(float((h - hm).norm()) for h in honest)
-    assert float((robust_mean(honest) - hm).norm()) <= 0.2 * spread
+@pytest.mark.parametrize("model", ["graded", "equal"])
+def test_honest_only_cost_is_small_and_identical_inputs_are_exact(model: str) -> None:
+    """Without attackers robust stays near the plain mean: measured 0.08-0.12 (graded) and 0.01-0.02
+    (equal) largest honest deviations for n = 3-16, i.e. 7-19 % and 1 % of the mean's norm (graded
+    spreads weigh the noisy members less, which the plain mean does not)."""
+    for n in (3, 5, 16):
+        honest = _honest(n, seed=2, model=model)
+        hm = mean(honest)
+        spread = max(float((h - hm).norm()) for h in honest)
+        off = float((robust_mean(honest) - hm).norm())
+        assert off <= (0.15 if model == "graded" else 0.03) * spread
+        assert off <= (0.25 if model == "graded" else 0.02) * float(hm.norm())
     same = [honest[0].clone() for _ in range(4)]
     torch.testing.assert_close(robust_mean(same), honest[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(aggregate(honest[:2], "robust"), mean(honest[:2]))
+    torch.testing.assert_close(aggregate(honest[:2], "robust"), mean(honest[:2]))  # <= 2 parts: the mean
 
 
-def test_reduce_parts_robust_path_is_one_reencoding() -> None:
-    codec = get_codec("int8")
+def test_the_reducer_robust_path_is_one_reencoding_and_names_outliers() -> None:
     honest = _honest(3, seed=3)
-    parts = [codec.encode(x) for x in honest + [_attack("flip", honest)]]
-    out = codec.decode(reduce_parts(parts, D, codec, how="robust"), D)
-    assert torch.isfinite(out).all()
+    parts = honest + [-1000.0 * honest[0]]
+    order = ["a", "b", "c", "evil"]
+    received = {p: CODEC.encode(x) for p, x in zip(order, parts, strict=True)}
+    shard = reduce_shard(ShardInputs(received, {}, order, D, CODEC, "robust"))
+    assert set(shard.excluded) == {"evil"}
+    assert shard.result == CODEC.encode(robust_mean([CODEC.decode(received[p], D) for p in "abc"]))
     with pytest.raises(ValueError):
         aggregate(honest, "median-of-means")
