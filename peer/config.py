@@ -19,7 +19,7 @@ from hivetrain.peer.errors import ConfigError
 
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: min_round_s, lineage in state hashes, averaging protocol v3, robust radius 0.5
 
 
 def _short(value: object) -> str:

@@ -76,7 +76,7 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     ("matchmaking_timeout", dict(matchmaking_timeout=float("inf"))),
     ("chunk_size", dict(chunk_size=100)),
     ("dataset", dict(dataset="files:xyz")),
-    ("version", dict(version=2)),
+    ("version", dict(version=1)),  # an older client's spec
     ("init_seed", dict(init_seed=-1)),
 ])
 def test_run_spec_errors_name_the_field(field: str, kwargs: dict[str, Any]) -> None:
