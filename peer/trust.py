@@ -8,6 +8,9 @@ means it sent a part that passed validation, robust aggregation and the audit, f
   peer we last completed a round with at most ``WINDOW`` rounds before r; 0 again after that
   (trust decays: an identity that stopped working with us stops counting). Fork choice
   (peer/state/choose.py) sums these weights; a stranger's attestation counts for nothing.
+  RAMP is 1: after a partition each side has worked longer with its own members than with the
+  other side's, and a weight that kept growing with rounds together would make both sides prefer
+  themselves forever; with equal weights the two sides apply the same tie-break and reunite.
 - ``on_probation(peer, r)``: we completed a round before r, but never one with ``peer``. Reducers
   give such a peer's part weight 0 and groups keep such peers a minority (peer/averaging/).
   A peer without any history trusts everyone: the first round of a run has nobody to vet.
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-RAMP = 3  # rounds together for full weight
+RAMP = 1  # rounds together for full weight (see the module doc for why not more)
 WINDOW = 100  # rounds: trust earned longer ago than this has decayed to nothing
 MAX_KNOWN = 10_000  # peers remembered (~100 bytes each); the least recently seen is forgotten first
 

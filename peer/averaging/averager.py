@@ -24,6 +24,7 @@ from hivetrain.peer.averaging.matchmaking import Matchmaking
 from hivetrain.peer.averaging.ready import ReadyBoard
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.session import Intake, RoundSession
+from hivetrain.peer.averaging.statements import STATEMENT_LEN
 from hivetrain.peer.averaging.views import Report
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import Done, Reply, Server, Ticket
@@ -131,6 +132,12 @@ class P2PAverager:
         session.arrived.set()
 
     # ---- the Service the link serves (on the loop) ----------------------------------------------
+
+    @property
+    def max_body(self) -> int:
+        """The largest body any message can have: one whole encoded vector (a group of one), or the
+        statements of a group of MAX_GROUP."""
+        return max(self.ctx.codec.encoded_nbytes(self.ctx.numel), MAX_GROUP * STATEMENT_LEN)
 
     def is_member(self, peer: str) -> bool:
         session = self.sessions.get(self.current_round)

@@ -239,7 +239,6 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
         return Report(frozenset(view.decided), frozenset(), decided=True)
     if caps.banned(sender):
         view.exclude(sender, "banned: we caught it misbehaving")
-    else:
-        view.add(sender)
+    elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too
         view.reports[sender] = request
     return outgoing(view, caps)

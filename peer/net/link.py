@@ -61,6 +61,11 @@ class Ticket(Protocol):
 class Service(Protocol):
     """What a protocol served over a link implements (averaging, state sync)."""
 
+    @property
+    def max_body(self) -> int:
+        """No message of this protocol has a longer body: a longer claim is refused on the prefix."""
+        ...
+
     def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
         """Decides on the header alone: a ``Reply`` ends the exchange (any body stays unread), a
         ``Ticket`` asks for the body. Called on the link's loop; must not block."""
@@ -183,7 +188,7 @@ class Server:
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: Any) -> None:
         header: dict[str, Any] = {}
         try:
-            header, body_len = await read_header(reader, IO_TIMEOUT)
+            header, body_len = await read_header(reader, IO_TIMEOUT, self.service.max_body)
             self.traffic.received += body_len + 64
             outcome = self.service.admit(sender, header, body_len)
             if isinstance(outcome, tuple):  # answered on the header: a body, if any, stays unread

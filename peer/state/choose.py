@@ -35,7 +35,7 @@ attesters a joiner contacts; W: the weight of our lineage, ours plus the trusted
 
 - Established peer: nothing with identities alone, whatever N, M and the rounds claimed. To count
   at all an identity must first earn trust by completing audited rounds with this peer (real work
-  per identity, ramping over ``trust.RAMP`` rounds, gone after ``trust.WINDOW`` rounds without);
+  per identity, ramping over ``trust.RAMP`` rounds (one), gone after ``trust.WINDOW`` rounds without);
   then it moves us only if the earned weight behind its lineage exceeds W (or equals it with a
   later state, within the clock bound).
 - Joiner: it wins if M > H, or M == H and more of its identities served (or as many and a higher

@@ -162,8 +162,8 @@ class StateSync:
         Raises DHTError or PeerError if the heartbeats cannot be read."""
         found = attestations(read_heartbeats(self.dht, self.run_key))
         if weights:
-            # we count as much as the peer we trust most: 1 in a run that has done RAMP rounds together,
-            # less before, so that a young group can still pull back a peer that went alone
+            # we count as much as the peer we trust most (1 once we completed a round with anyone; see
+            # peer/trust.py on why trust does not keep growing)
             choice = choose(found, own, weights, clock, self_weight=min(1.0, max(weights.values())),
                             exclude=exclude)
             self.dht.remember_threadsafe(a.peer for a in found if weights.get(a.peer, 0.0) > 0)

@@ -14,6 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from hivetrain.dht.hardening import nested_tuple_payload
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
+from hivetrain.peer.net.wire import Code
 
 
 async def _attack(maddr: str, run_key: str) -> dict[str, object]:
@@ -78,7 +79,7 @@ async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
     from hivetrain.peer.net.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
 
     attacker = await P2P.create(initial_peers=[maddr])
-    handler = f"hivetrain/avg/2/{spec_hash[:32]}"
+    handler = f"hivetrain/avg/3/{spec_hash[:32]}"
     victim = PeerID.from_base58(maddr.rsplit("/", 1)[1])
     out: dict[str, object] = {}
     try:
@@ -99,7 +100,7 @@ async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
             writer.write(frame)
             await writer.drain()
             reply, _ = await read_frame(reader, 10.0, 0)  # answered at once: it does not wait for the claimed bytes
-            out[name] = (reply["type"], reply["ok"], reply["reason"])
+            out[name] = (reply["type"], reply["code"], reply["reason"])
             writer.close()
     finally:
         await attacker.shutdown()
@@ -110,9 +111,10 @@ def test_oversized_frames_are_refused_before_reading(swarm) -> None:
     peer = swarm("target", "--new-run", "frames", "--sync-every", "2", "--matchmaking-timeout", "1")
     info = peer.wait_info()
     results = asyncio.run(_frames(info["maddrs"][0], info["spec_hash"]))
-    assert results["oversized_header"][:2] == ("ack", False) and "exceeds" in results["oversized_header"][2], results
-    assert results["oversized_body"][:2] == ("ack", False) and "exceeds" in results["oversized_body"][2], results
-    assert results["bad_magic"][:2] == ("ack", False) and "magic" in results["bad_magic"][2], results
+    malformed = ("ack", Code.MALFORMED)
+    assert results["oversized_header"][:2] == malformed and "exceeds" in results["oversized_header"][2], results
+    assert results["oversized_body"][:2] == malformed and "exceeds" in results["oversized_body"][2], results
+    assert results["bad_magic"][:2] == malformed and "magic" in results["bad_magic"][2], results
     before = len(peer.records())
     deadline = time.monotonic() + 60
     while len(peer.records()) < before + 2:  # and it goes on training

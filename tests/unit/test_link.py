@@ -36,6 +36,7 @@ class Sink:
     """A Service that wants bodies of exactly ``size`` bytes and keeps them."""
 
     size: int
+    max_body: int = 1 << 20
     members: set[str] = field(default_factory=set)
     bodies: list[bytes] = field(default_factory=list)
     hold: asyncio.Event | None = None  # when set: complete() waits for it (a slow handler)
@@ -88,7 +89,7 @@ def test_a_body_of_the_wrong_size_is_refused_unread() -> None:
     async def go() -> tuple[Reply, list[bytes], int]:
         net = MemoryNetwork()
         a, b = net.link(A), net.link(B)
-        sink = Sink(size=1000)
+        sink = Sink(size=1000, max_body=1 << 30)  # within the protocol's cap: the service decides on the header
         await b.serve(PROTO, Server(sink))
         reply = await request(a, B, PROTO, header(), b"x" * 10_000_000, timeout=5)
         return reply, sink.bodies, net.bytes_moved[A]
@@ -96,6 +97,17 @@ def test_a_body_of_the_wrong_size_is_refused_unread() -> None:
     (reply, _), bodies, moved = run(go())
     assert reply["code"] == Code.WRONG_SIZE and bodies == []
     assert moved < 1000  # the requester sent its header only: 10 MB stayed home
+
+
+def test_a_body_beyond_the_protocols_cap_is_refused_on_the_prefix() -> None:
+    async def go() -> Reply:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        await b.serve(PROTO, Server(Sink(size=1000, max_body=4096)))
+        return await request(a, B, PROTO, header(), b"x" * 5000, timeout=5)
+
+    reply, _ = run(go())
+    assert reply["code"] == Code.MALFORMED and "exceeds" in reply["reason"]
 
 
 def test_streams_beyond_the_per_peer_cap_are_refused_busy_and_members_are_not_crowded_out() -> None:

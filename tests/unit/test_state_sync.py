@@ -26,7 +26,7 @@ from hivetrain.peer.state.sync import (
     StateKeeper,
     StateSync,
 )
-from hivetrain.peer.trust import Trust
+from hivetrain.peer.trust import RAMP, Trust
 
 NUMEL = 64
 RUN_KEY = make_run_key("sync", Identity.generate().public_key)
@@ -213,7 +213,7 @@ def test_the_keeper_logs_refused_claims_once_and_never_retries_a_poisoned_state(
     assert sum("refused the heartbeat of s1" in line for line in said) == 1, said
     own, weights, clock, exclude = fake.calls[-1]
     assert own.state == State(5, snapshot(0).hash, "0" * 64) and own.history == (own.state,)
-    assert weights == {"t1": pytest.approx(1 / 3)} and exclude == {"ee" * 32}
+    assert weights == {"t1": pytest.approx(1 / RAMP)} and exclude == {"ee" * 32}
     assert clock.min_round_s == 0.2 and 0 <= clock.since_boundary < 5
     assert fake.calls[0][2].seen == {} and set(clock.seen) == {"t1"} and clock.seen["t1"][0] == 6
     assert fake.calls[0][1] == weights and "ee" * 32 not in fake.calls[0][3]
