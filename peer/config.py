@@ -114,7 +114,6 @@ class RunSpec:
     matchmaking_timeout: float = 15.0  # seconds a peer waits for others to be ready for a round
     allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
     init_seed: int = 0
-    sync_quorum: int = 2  # independent peers that must attest a state before a joiner accepts it
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
     error_feedback: bool = False  # send this round's quantization residual with the next round's part
     max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
@@ -148,7 +147,6 @@ class RunSpec:
         _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)
         _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
         _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
-        _check_int("spec", "sync_quorum", self.sync_quorum, 1, 64)
         if not isinstance(self.error_feedback, bool):
             raise ConfigError("spec.error_feedback must be true or false")
         _check_int("spec", "max_per_prefix", self.max_per_prefix, 0, 64)

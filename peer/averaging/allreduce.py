@@ -25,14 +25,15 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hivetrain.kernels.errors import CodecError
+from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.delivery import send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
     Finding,
@@ -45,27 +46,17 @@ from hivetrain.peer.averaging.reduce import (
 )
 from hivetrain.peer.averaging.session import RoundSession, Verdict
 from hivetrain.peer.averaging.statements import (
-    APPROVED,
-    NO_AUDIT,
-    REJECTED,
-    Statement,
     applied_digest,
     commitment,
     pack_all,
-    result_message,
     sign_result,
     sign_verdict,
-    valid,
-    verdict_message,
 )
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.net.link import request
-from hivetrain.peer.net.wire import Code, reason
+from hivetrain.peer.net.wire import reason
 
 logger = logging.getLogger(__name__)
-SEND_ATTEMPTS = 3  # deliveries of one message that fail in transport, within the deadline
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
-RETRY_PAUSE = (0.05, 0.3)  # seconds: first and longest pause before sending again to a peer not ready yet
 FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
 
 
@@ -267,22 +258,11 @@ class AllReduceRunner:
 
     # ---- agreement after the round ------------------------------------------------------------
 
-    def _statements(self) -> list[Statement]:
-        out = []
-        for shard in self.session.shards:
-            verdict = shard.verdict
-            state = NO_AUDIT if verdict is None else APPROVED if verdict.ok else REJECTED
-            out.append(Statement(
-                bytes.fromhex(shard.result_hash), commitment(shard.commits, shard.claims, shard.excluded),
-                shard.result_sig, state, bytes.fromhex(verdict.result_hash) if verdict else bytes(32),
-                verdict.sig if verdict else bytes(64)))
-        return out
-
     async def _agree(self, mine: str) -> None:
         """Sends what we applied to every member, waits for a majority (or everyone, or the deadline),
         convicts equivocating signers, and fails the round if a majority applied something else."""
         s, ctx = self.session, self.ctx
-        ours = self._statements()
+        ours = held_statements(s)
         body = pack_all(ours)
         header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine)
         sends = asyncio.ensure_future(self._send_all([(p, header, body) for p in s.order if p != ctx.me], strict=False))
@@ -297,7 +277,7 @@ class AllReduceRunner:
             pass  # the deadline: decide on what arrived
         await sends
         for member, (_, theirs) in list(s.applied.items()):
-            for culprit, why in self._compare(member, ours, theirs):
+            for culprit, why in equivocators(s, member, ours, theirs):
                 ctx.bans.ban(culprit, f"round {s.round}: {why}")
                 self.excluded.setdefault(culprit, why)
         agree = 1 + sum(d == mine for d, _ in s.applied.values())
@@ -306,25 +286,6 @@ class AllReduceRunner:
             raise RoundFailed(f"only {agree} of {s.n} members applied what we did ({sum(others.values())} reported "
                               "something else): void, and re-sync")
 
-    def _compare(self, member: str, ours: list[Statement], theirs: list[Statement]) -> Iterable[tuple[str, str]]:
-        """Who signed two different statements (the reducer or auditor), or forged one (``member``)."""
-        s = self.session
-        for k, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-            if t.result_sig != bytes(64) and (t.result_hash, t.commit) != (o.result_hash, o.commit):
-                message = result_message(s.where(k), t.result_hash, t.commit)
-                if valid(s.reducer(k), t.result_sig, message):
-                    yield s.reducer(k), f"signed two different results of shard {k} (equivocation)"
-                else:
-                    yield member, f"forwarded a result of shard {k} its reducer never signed"
-            auditor = s.auditor(k)
-            if auditor is not None and t.verdict != NO_AUDIT and (t.verdict, t.verdict_hash) != (o.verdict,
-                                                                                                   o.verdict_hash):
-                message = verdict_message(s.where(k), t.verdict == APPROVED, t.verdict_hash)
-                if valid(auditor, t.verdict_sig, message):
-                    yield auditor, f"signed two different verdicts on shard {k} (equivocation)"
-                else:
-                    yield member, f"forwarded a verdict on shard {k} its auditor never signed"
-
     # ---- sending --------------------------------------------------------------------------------
 
     def _header(self, kind: str, shard: int, **fields: Any) -> dict[str, Any]:
@@ -332,36 +293,4 @@ class AllReduceRunner:
         return self.ctx.header(kind, s.round, s.base, group=s.group, shard=shard, **fields)
 
     async def _send_all(self, sends: list[tuple[str, dict[str, Any], bytes]], strict: bool) -> None:
-        results = await asyncio.gather(*(self._deliver(p, h, b) for p, h, b in sends), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and strict:
-            raise errors[0] if isinstance(errors[0], RoundFailed) else RoundFailed(repr(errors[0]))
-        for err in errors:  # a member that cannot get our message voids its own round; we can still finish
-            logger.info("round %d: delivery failed: %r", self.session.round, err)
-
-    async def _deliver(self, peer: str, header: dict[str, Any], body: bytes) -> None:
-        """Delivers one message; waits (briefly, repeatedly) for a member that has not decided yet."""
-        deadline, kind = self.session.deadline, header["type"]
-        pause, failures = RETRY_PAUSE[0], 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RoundFailed(f"deadline passed delivering our {kind} to {peer}")
-            try:
-                reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, body, remaining,
-                                         traffic=self.ctx.traffic)
-            except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
-                failures += 1
-                if failures >= SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
-                    raise RoundFailed(reason(f"could not deliver our {kind} to {peer}: {e!r}")) from None
-                await asyncio.sleep(0.2 * failures)
-                continue
-            code = reply["code"] if reply.get("type") == "ack" else int(Code.MALFORMED)
-            if code in (Code.OK, Code.DUPLICATE):
-                return
-            if code in (Code.NOT_READY, Code.BUSY) and time.monotonic() + pause < deadline:
-                await asyncio.sleep(pause)
-                pause = min(RETRY_PAUSE[1], 2 * pause)
-                continue
-            name = Code(code).name if code in Code._value2member_map_ else str(code)
-            raise RoundFailed(reason(f"{peer} refused our {kind}: {name} {reply.get('reason', '')}"))
+        await send_all(self.ctx, self.session.round, self.session.deadline, sends, strict)
