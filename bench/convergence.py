@@ -20,7 +20,7 @@ and every variant of seed s starts from ``build_model(preset, init_seed=s)``.
   links, and every worker applies the outer Nesterov step; the workers' states are checked to be
   bit-identical after every round.
 
-``kernels/int8.py`` offers no error-feedback codec, so there is no ``int8ef`` variant.
+There is no ``int8ef`` variant: error feedback (run spec ``error_feedback``) is not enabled here.
 
 Held-out loss is measured on the same evaluation batches at every round boundary of every DiLoCo variant
 (and for ``ddp`` at the union of those token counts). Bytes per worker are what would cross the network:
