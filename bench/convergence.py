@@ -224,6 +224,7 @@ class BenchConfig:
     eval_batches: int
     eval_batch_size: int
     threads: int
+    aggregation: str = "robust"  # the run spec's default; "mean" is exact DiLoCo
 
     @property
     def tokens_per_step(self) -> int:
@@ -239,7 +240,7 @@ class BenchConfig:
 
     def spec(self, seed: int, h: int | None) -> RunSpec:
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=h or 1,
-                                   batch_size=self.batch_size, seq_len=self.seq_len)
+                                   batch_size=self.batch_size, seq_len=self.seq_len, aggregation=self.aggregation)
 
 
 @dataclass
@@ -475,7 +476,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or mode.seeds)), hs=hs, steps=steps,
         batch_size=batch, seq_len=args.seq_len or preset.seq_len,
         eval_batches=args.eval_batches or mode.eval_batches, eval_batch_size=preset.batch_size,
-        threads=args.threads,
+        threads=args.threads, aggregation=args.aggregation,
     )
 
 
@@ -495,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, help="window length (default: the preset's)")
     ap.add_argument("--eval-batches", type=int, help="held-out batches of the preset's batch size (default 8; quick 2)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--aggregation", choices=["robust", "mean"], default="robust",
+                    help="how reducers combine the parts (default robust, the run spec's default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = build_config(args)

@@ -117,8 +117,10 @@ class P2PAverager:
     def _enter(self, round_: int) -> None:
         self.current_round = round_
         self.replayed = {}
-        for rounds in (self.matchmaking, self.sessions):  # kept one round longer: late askers, evidence
-            for old in [r for r in rounds if r < round_ - 1]:
+        for rounds in (self.matchmaking, self.sessions):
+            # the previous round's are kept (late askers, evidence requests); any others are gone, rounds
+            # ahead of us too: after a sync to another lineage, the round counter can go back
+            for old in [r for r in rounds if r != round_ - 1]:
                 del rounds[old]
 
     def _mark_replays(self, session: RoundSession) -> None:

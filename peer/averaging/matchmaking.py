@@ -121,15 +121,24 @@ class Matchmaking:
                 pass
 
     async def _agree(self, end: float) -> tuple[str, ...]:
+        poller = asyncio.create_task(self._poll_board())  # peers that announced late (or behind a flood of fakes)
+        try:
+            return await self._sweeps(end)
+        finally:
+            poller.cancel()
+
+    async def _poll_board(self) -> None:
+        """Reads the board every POLL seconds, in the background: a slow DHT read never holds up a sweep."""
+        while True:
+            await asyncio.sleep(POLL)
+            await self._read_board()
+
+    async def _sweeps(self, end: float) -> tuple[str, ...]:
         view = self.view
         hints: frozenset[str] = frozenset()
-        next_read = time.monotonic() + POLL
         while view.decided is None:
             if time.monotonic() > end:
                 raise RoundFailed(f"no agreement on the group of round {view.round}")
-            if time.monotonic() >= next_read:  # peers that announced late (or behind a flood of fakes) join
-                await self._read_board()
-                next_read = time.monotonic() + POLL
             await self._observe(view.effective() | hints)
             caps = self.caps()
             asked = settle(view, caps) - {view.me}

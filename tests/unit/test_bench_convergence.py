@@ -190,7 +190,7 @@ def test_round_bytes() -> None:
 
 def _args(**kw: object) -> argparse.Namespace:
     base: dict[str, object] = dict(quick=False, preset="tiny", workers=None, seeds=None, H=None, steps=None,
-                                   batch_size=None, seq_len=None, eval_batches=None, threads=1)
+                                   batch_size=None, seq_len=None, eval_batches=None, threads=1, aggregation="robust")
     base.update(kw)
     return argparse.Namespace(**base)
 
