@@ -6,16 +6,20 @@ A peer's view holds only first-hand knowledge:
   libp2p key (peer/averaging/ready.py), or the peer itself asking us or answering us for that
   round and base over an authenticated stream. A peer named only in someone else's view is a
   *hint*: we ask it ourselves before it can become a candidate. Nobody is a member on another's word.
-- *excluded*: peers we will not group with, and why: no answer, another base, our own caps (bans,
-  the per-prefix cap, newcomers kept a minority, at most MAX_GROUP), or a conflict (below).
+- *excluded*: peers we will not group with, for good, and why: no answer, another base, a decision
+  without us, or a disagreement we resolved (below).
+- *capped*: peers our caps leave out of the current member list (bans, the per-prefix cap,
+  newcomers kept fewer than half, at most MAX_GROUP); recomputed whenever the list changes.
 - *reports*: what each candidate last told us, first-hand.
 
-The group is decided when every member of our effective view (candidates minus excluded, us
-included) answered with exactly that view. Members that disagree because one *excludes* another
-(it cannot reach it, or its caps drop it) are reconciled without taking either's word: of the two,
-we drop the one with the lower priority (earned trust first, then a hash rank that nobody chooses),
-so a stranger that excludes an established member only removes itself. A decision another peer
-reports is adopted only if it contains us, lies inside our own effective view and passes our caps.
+The group is decided when every member of our effective view (candidates minus excluded and capped,
+us included) answered with exactly that view. Members whose answers keep differing from a view of
+ours that stands still (STRIKES sweeps and PATIENCE seconds) are reconciled without taking anyone's
+word: the one member whose departure reconciles the most of them leaves, ties going to a member that
+disagrees itself, then to the lower priority (earned trust first, then a hash rank nobody chooses).
+So a stranger that excludes an established member only removes itself, and so does a peer that
+answers with a view it never converges on. A decision another peer reports is adopted only if it
+contains us, lies inside our own effective view and passes our caps.
 """
 
 from __future__ import annotations
