@@ -94,8 +94,15 @@ class AllReduceRunner:
 
     def _punish(self) -> None:
         for peer, why in self.session.culprits.items():
-            self.ctx.bans.ban(peer, f"round {self.session.round}: {why}")
+            self._convict(peer, why)
+
+    def _convict(self, peer: str, why: str, first: bool = True) -> None:
+        """Bans ``peer`` and names it in the round's metrics (``first``: keep an earlier, more specific reason)."""
+        self.ctx.bans.ban(peer, f"round {self.session.round}: {why}")
+        if first:
             self.excluded.setdefault(peer, why)
+        else:
+            self.excluded[peer] = why
 
     async def _run(self, delta: torch.Tensor) -> Outcome:
         s, ctx = self.session, self.ctx
@@ -124,8 +131,7 @@ class AllReduceRunner:
         averaged, applied, voids, conflict = self._gather()
         if s.audited is not None:
             for peer, why in (await settle_accusations(ctx, s)).items():
-                ctx.bans.ban(peer, f"round {r}: {why}")
-                self.excluded[peer] = why
+                self._convict(peer, why, first=False)  # the settled verdict replaces the accusation
         digest_hex = applied_digest(s.group, applied)
         await self._agree(digest_hex)
         if conflict:
@@ -156,8 +162,7 @@ class AllReduceRunner:
         claims = probation_claims(s.order, newcomers)
         out = await asyncio.to_thread(reduce_shard, self._inputs(s.mine), claims)
         for peer, why in out.excluded.items():  # invalid parts and outliers, seen by us: never grouped again
-            ctx.bans.ban(peer, f"round {s.round}: {why}")
-            self.excluded[peer] = why
+            self._convict(peer, why, first=False)
         mine = s.shards[s.mine]
         mine.result, mine.result_hash = out.result, hashlib.sha256(out.result).hexdigest()
         mine.commits, mine.claims, mine.excluded = out.digests, out.probation, sorted(out.excluded)
@@ -278,8 +283,7 @@ class AllReduceRunner:
         await sends
         for member, (_, theirs) in list(s.applied.items()):
             for culprit, why in equivocators(s, member, ours, theirs):
-                ctx.bans.ban(culprit, f"round {s.round}: {why}")
-                self.excluded.setdefault(culprit, why)
+                self._convict(culprit, why)
         agree = 1 + sum(d == mine for d, _ in s.applied.values())
         if 2 * agree <= s.n:  # a member not backed by a majority of its group applies nothing
             others = Counter(d for d, _ in s.applied.values() if d != mine)

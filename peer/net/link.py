@@ -189,7 +189,7 @@ class Server:
         header: dict[str, Any] = {}
         try:
             header, body_len = await read_header(reader, IO_TIMEOUT, self.service.max_body)
-            self.traffic.received += body_len + 64
+            self.traffic.received += 64  # a header; a body counts once it is read (a claimed length is no traffic)
             outcome = self.service.admit(sender, header, body_len)
             if isinstance(outcome, tuple):  # answered on the header: a body, if any, stays unread
                 reply = outcome
@@ -199,6 +199,7 @@ class Server:
                 try:
                     await _write(writer, self.service.refusal(header, Code.CONTINUE, ""), close=False)
                     body = await read_body(reader, body_len, max(0.01, outcome.deadline - time.monotonic()))
+                    self.traffic.received += body_len
                 except BaseException:
                     outcome.abort()
                     raise
