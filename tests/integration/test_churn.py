@@ -25,10 +25,10 @@ def _hash_after(peer: Any, round_: int) -> str:
 
 
 def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_path: Path) -> None:
-    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "6", "--target-group-size", "4",
-                  "--matchmaking-timeout", "10", "--quiet", "--wait-for-peers", "3")
+    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "7", "--target-group-size", "4",
+                  "--matchmaking-timeout", "6", "--quiet", "--wait-for-peers", "3")
     info = owner.wait_info()
-    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "6", "--quiet"]
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "7", "--quiet"]
     poisoned = swarm("p1", *join, "--wait-for-peers", "3", "--fault", "corrupt@serve_state:0",
                      "--fault-log", str(tmp_path / "fault.log"))
     p2 = swarm("p2", *join, "--wait-for-peers", "3")
@@ -40,18 +40,23 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
         assert p.wait(120) == 0
 
     syncs = joiner.records("sync")
-    assert len(syncs) == 1, syncs
-    sync = syncs[0]
-    # right after the sync, the joiner's parameters hash to the state the others announced for that round
-    assert sync["state_hash"] == _hash_after(owner, sync["round"] - 1) == _hash_after(p2, sync["round"] - 1)
+    # A joiner whose first sync falls late in the others' round finds their group of that round already
+    # decided and trains it on its own; it re-syncs when they announce the next state (then early in
+    # their round). So it syncs once or more, depending on that timing; every sync must hold the below.
+    assert syncs, joiner.records()
+    poisoned_id = poisoned.records("start")[0]["peer_id"]
+    for sync in syncs:
+        # right after a sync, the joiner's parameters hash to the state the others announced for that round
+        assert sync["state_hash"] == _hash_after(owner, sync["round"] - 1) == _hash_after(p2, sync["round"] - 1)
+        assert poisoned_id not in sync["donors"], sync
     # the poisoned donor really served bad bytes and was dropped; the others completed the download
     assert (tmp_path / "fault.log").read_text().startswith("corrupt@serve_state")
-    poisoned_id = poisoned.records("start")[0]["peer_id"]
-    assert poisoned_id in sync["dropped"] and poisoned_id not in sync["donors"]
-    # it takes part from the next round boundary, bit-identical with the group
-    first = joiner.records()[0]
-    assert first["round"] == sync["round"] and not first["void"] and first["group_size"] == 4
+    assert poisoned_id in syncs[0]["dropped"]
+    # it takes part from the boundary of its last sync on, bit-identical with the group
+    first = [r for r in joiner.records() if r["round"] == syncs[-1]["round"]][-1]
+    assert not first["void"] and first["group_size"] == 4, joiner.records()
     assert first["state_hash"] == _hash_after(owner, first["round"])
+    assert joiner.records()[-1]["state_hash"] == owner.records()[-1]["state_hash"]
     # Sybil brake: in its first round the established reducers gave the newcomer's part weight 0
     joiner_id = joiner.records("start")[0]["peer_id"]
     owner_first = next(r for r in owner.records() if r["round"] == first["round"])
