@@ -49,9 +49,11 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
         # right after a sync, the joiner's parameters hash to the state the others announced for that round
         assert sync["state_hash"] == _hash_after(owner, sync["round"] - 1) == _hash_after(p2, sync["round"] - 1)
         assert poisoned_id not in sync["donors"], sync
-    # the poisoned donor really served bad bytes and was dropped; the others completed the download
+    # the poisoned donor really served bad bytes (to the joiner, the only peer that downloads) and the
+    # joiner dropped it; which download it hit depends on how pieces were spread among donors, so the
+    # joiner's own log is the witness, not one sync's record
     assert (tmp_path / "fault.log").read_text().startswith("corrupt@serve_state")
-    assert poisoned_id in syncs[0]["dropped"]
+    assert f"dropping state donor {poisoned_id}: piece" in joiner.log.read_text()
     # it takes part from the boundary of its last sync on, bit-identical with the group
     first = [r for r in joiner.records() if r["round"] == syncs[-1]["round"]][-1]
     assert not first["void"] and first["group_size"] == 4, joiner.records()
