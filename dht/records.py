@@ -190,8 +190,10 @@ SCHEMAS: dict[str, dict[str, Check]] = {
     "ready": {
         "peer_id": _is_peer_id,
         "round": _is_int(0, MAX_ROUND),
-        "base_hash": _is_hex64,
+        "base_hash": _is_hex64,  # all zeros in an announcement made before the base is known
         "spec_hash": _is_hex64,
+        "done": lambda v: isinstance(v, bool),  # false: announced ahead, still computing
+        "eta": _is_float(0.0, 1e11),  # unix time the peer expects to be ready (its claim; bounded by the reader)
     },
 }
 BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id

@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group (default 2; 0: off)")
     spec.add_argument("--target-group-size", type=int)
     spec.add_argument("--min-group-size", type=int)
-    spec.add_argument("--matchmaking-timeout", type=float, help="seconds to wait for peers each round")
+    spec.add_argument("--matchmaking-timeout", type=float,
+                      help="seconds a ready peer waits at most for announced peers still computing (default 5)")
+    spec.add_argument("--overlap", choices=["none", "delayed", "eager"],
+                      help="delayed / eager: each round's all-reduce runs during the next round's inner steps "
+                           "and is applied one round late; eager starts them from our own outer step "
+                           "(default none: synchronous)")
+    spec.add_argument("--eval-every", type=int, help="rounds between held-out evaluations (default 10)")
     spec.add_argument("--allreduce-timeout", type=float, help="seconds: deadline of one all-reduce")
     spec.add_argument("--batch-size", type=int)
     spec.add_argument("--seq-len", type=int)
@@ -90,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sync-every", type=int, default=None, help="H (default: the preset's)")
     demo.add_argument("--batch-size", type=int, default=None, help="per-peer batch (default: the preset's)")
     demo.add_argument("--aggregation", choices=["robust", "mean"], default=None)
+    demo.add_argument("--overlap", choices=["none", "delayed", "eager"], default=None,
+                      help="delayed: all-reduce during the next round's inner steps (default none)")
     demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
@@ -117,7 +125,7 @@ def _stop_on_sigterm() -> None:
 
 SPEC_FLAGS = ("sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
               "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
-              "error_feedback", "audit", "max_per_prefix")
+              "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every")
 
 
 def cmd_start(args: argparse.Namespace) -> int:

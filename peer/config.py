@@ -19,7 +19,8 @@ from hivetrain.peer.errors import ConfigError
 
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")
-SPEC_VERSION = 2  # 2: min_round_s, lineage in state hashes, averaging protocol v3, robust radius 0.5
+OVERLAPS = ("none", "delayed", "eager")
+SPEC_VERSION = 3  # 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -111,7 +112,9 @@ class RunSpec:
     chunk_size: int = 65536
     target_group_size: int = 8
     min_group_size: int = 1
-    matchmaking_timeout: float = 15.0  # seconds a peer waits for others to be ready for a round
+    # seconds a ready peer waits, at most, for peers that announced this round and are still computing
+    # (the grace a straggler gets); a peer nobody waits for closes its window at once
+    matchmaking_timeout: float = 5.0
     allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
     init_seed: int = 0
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
@@ -119,6 +122,10 @@ class RunSpec:
     max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
     audit: bool = True  # every shard recomputed by a second member; a wrong aggregate is void (+50% part bytes)
     min_round_s: float = 0.2  # seconds: no round is faster; bounds the round a heartbeat may claim (fork choice)
+    overlap: str = "none"  # "none": synchronous rounds; "delayed" / "eager": round r's all-reduce runs during
+    # round r+1's inner steps and is applied one round late; eager starts those inner steps from the outer
+    # step our own delta would give (peer/train/loop.py)
+    eval_every: int = 10  # rounds between held-out evaluations (also the first, the last and after a sync)
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -155,6 +162,9 @@ class RunSpec:
         _check_range("spec", "min_round_s", self.min_round_s, 0.01, 3600.0)
         if self.aggregation not in ("robust", "mean"):
             raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
+        if self.overlap not in OVERLAPS:
+            raise ConfigError(f"spec.overlap must be one of {OVERLAPS}, got {_short(self.overlap)}")
+        _check_int("spec", "eval_every", self.eval_every, 1, 1_000_000)
         if self.version != SPEC_VERSION:
             raise ConfigError(f"run spec version {self.version} is not supported (this client speaks {SPEC_VERSION})")
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, s
         cmd += ["--new-run", "demo", "--preset", args.preset, "--target-group-size", str(args.peers),
                 "--info-file", os.path.join(workdir, "peer0.json")]
         for flag, value in (("--sync-every", args.sync_every), ("--batch-size", args.batch_size),
-                            ("--aggregation", args.aggregation)):
+                            ("--aggregation", args.aggregation), ("--overlap", args.overlap)):
             if value:
                 cmd += [flag, str(value)]
     else:
@@ -115,8 +116,11 @@ def summarize(workdir: str, n_peers: int) -> dict[str, Any]:
         "identical_hashes": all(len(set(v)) == 1 and len(v) == n_peers for v in hashes.values()),
         "void_rounds": sum(r["void"] for pr in rounds for r in pr),
         "parameters": numel,
-        "seconds_per_round": (sum(r["compute_s"] + r["allreduce_s"] for r in rounds[0]) / len(rounds[0])
-                              if rounds[0] else None),
+        "seconds_per_round": statistics.median(r["round_s"] for r in rounds[0]) if rounds[0] else None,
+        # time in inner steps / wall time of peer 0, the first round (start-up) and a drain left out
+        "utilization": (sum(r["compute_s"] for r in rounds[0][1:] if not r["drain"])
+                        / max(1e-9, sum(r["round_s"] for r in rounds[0][1:] if not r["drain"]))
+                        if len(rounds[0]) > 1 else None),
     }
 
 
@@ -169,6 +173,9 @@ def run_demo(args: argparse.Namespace) -> int:
     say(f"bytes sent per peer: {mean_sent / 1e6:.2f} MB; fp32 data-parallel would have sent "
         f"{summary['ddp_equivalent_bytes'] / 1e6:.1f} MB ({summary['ddp_equivalent_bytes'] / max(mean_sent, 1):.0f}x more)")
     say(f"identical state hashes in every round: {'yes' if summary['identical_hashes'] else 'NO'}")
+    if summary["utilization"] is not None:
+        say(f"peer0: {summary['seconds_per_round']:.1f} s per round, {summary['utilization']:.0%} of it in inner steps "
+            "(first round left out)")
     if args.json:
         print(json.dumps(summary), flush=True)
     ok = summary["rounds_completed"] == args.rounds and summary["identical_hashes"]

@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from hivetrain.peer.errors import RoundFailed
+
 
 @dataclass(frozen=True)
 class AverageResult:
@@ -23,6 +25,12 @@ class AverageResult:
     void_ranges: tuple[tuple[int, int], ...] = ()  # [start, end) of shards voided by their audit: not applied
 
 
+class Pending(Protocol):
+    def result(self) -> AverageResult:
+        """Waits for the averaging (at most the run's deadlines); raises RoundFailed like ``average``."""
+        ...
+
+
 class Averager(Protocol):
     def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
         """Averages ``delta`` (n,) fp32 with a group of peers that start round ``round_`` from the
@@ -30,6 +38,35 @@ class Averager(Protocol):
         Raises RoundFailed if the round cannot complete for this peer: then nothing was averaged
         and the caller must void the round."""
         ...
+
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> Pending:
+        """``average`` without waiting: the caller keeps ``delta`` unchanged until ``result()`` returned."""
+        ...
+
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+        """Tells the run, without waiting, that we will be ready for round ``round_`` in about ``eta_s``
+        seconds (None: unknown), from ``base_hash`` (None: not known yet)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A ``Pending`` that is already over: what a synchronous averager's ``begin`` returns."""
+
+    outcome: AverageResult | RoundFailed
+
+    def result(self) -> AverageResult:
+        if isinstance(self.outcome, RoundFailed):
+            raise self.outcome
+        return self.outcome
+
+
+def begin_now(averager: Averager, round_: int, base_hash: str, delta: torch.Tensor) -> Finished:
+    """``begin`` for averagers that can only run synchronously."""
+    try:
+        return Finished(averager.average(round_, base_hash, delta))
+    except RoundFailed as e:
+        return Finished(e)
 
 
 def shard_bounds(numel: int, group_size: int) -> list[tuple[int, int]]:

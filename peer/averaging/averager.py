@@ -10,6 +10,8 @@ authenticated, never a field of the message.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Coroutine
@@ -20,8 +22,8 @@ import torch
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import AverageResult
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.matchmaking import Matchmaking
-from hivetrain.peer.averaging.ready import ReadyBoard
+from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
+from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.session import Intake, RoundSession
 from hivetrain.peer.averaging.statements import STATEMENT_LEN
@@ -29,6 +31,7 @@ from hivetrain.peer.averaging.views import Report
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import Done, Reply, Server, Ticket
 from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
+from hivetrain.peer.state.snapshot import ZERO
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +42,26 @@ class LoopRunner(Protocol):
     """Runs a coroutine on the loop that owns the link, from another thread (the DHT facade)."""
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T: ...
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]: ...
+
+
+class _InFlight:
+    """The ``Pending`` of an averaging running on the link's loop."""
+
+    def __init__(self, future: concurrent.futures.Future[AverageResult], budget: float):
+        self.future, self.budget = future, budget
+
+    def result(self) -> AverageResult:
+        try:
+            return self.future.result(self.budget)
+        except RoundFailed:
+            raise
+        except concurrent.futures.TimeoutError:
+            self.future.cancel()
+            raise RoundFailed(f"the averaging did not end within {self.budget:.0f} s") from None
+        except BaseException as e:  # the round is void whatever went wrong; say what it was
+            raise RoundFailed(reason(f"{type(e).__name__}: {e}")) from None
 
 
 class _Deposit:
@@ -69,6 +92,7 @@ class P2PAverager:
         self.matchmaking: dict[int, Matchmaking] = {}  # this round's and the previous one's
         self.sessions: dict[int, RoundSession] = {}  # round -> the session of the group we derived (two rounds)
         self.replayed: dict[str, str] = {}  # members that sent old parts during this round -> why
+        self.announced: dict[int, float] = {}  # round -> when our announcement of it expires (unix time)
 
     def start(self) -> P2PAverager:
         self.runner.run(self.ctx.link.serve(self.ctx.protocol, self.server), timeout=10)
@@ -76,15 +100,38 @@ class P2PAverager:
 
     # ---- the training thread's entry ------------------------------------------------------------
 
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+    @property
+    def budget(self) -> float:
+        """Seconds one averaging may take at most, matchmaking and agreement included."""
         spec = self.ctx.spec
-        budget = spec.matchmaking_timeout * 2 + spec.allreduce_timeout + 15
-        try:
-            return self.runner.run(self.average_async(round_, base_hash, delta), timeout=budget)
-        except RoundFailed:
-            raise
-        except Exception as e:  # the round is void whatever went wrong; say what it was
-            raise RoundFailed(reason(f"{type(e).__name__}: {e}")) from None
+        return spec.matchmaking_timeout * 2 + max(AGREE_MIN, spec.matchmaking_timeout / 2) + spec.allreduce_timeout + 15
+
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+        return self.begin(round_, base_hash, delta).result()
+
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> _InFlight:
+        return _InFlight(self.runner.submit(self.average_async(round_, base_hash, delta)), self.budget)
+
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+        """Publishes our announcement for ``round_`` in the background (best effort: a peer that is
+        not announced is still found when it is ready; it only cannot be waited for). It lives
+        until we must have started that round's averaging (the ETA, then at most the averaging in
+        flight: ``budget``); our ready record for the round expires later, so that it replaces
+        this one (the DHT keeps the later expiration under one subkey)."""
+        eta = time.time() + eta_s if eta_s else 0.0
+        ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta)
+        ttl = (eta_s or 0.0) + self.budget
+        self.announced[round_] = time.time() + ttl
+        for old in sorted(self.announced)[:-4]:  # bounded: recent rounds only
+            del self.announced[old]
+
+        async def publish() -> None:
+            try:
+                await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), READ_TIMEOUT)
+            except Exception as e:  # a background task: say what went wrong, never raise unseen
+                logger.info("round %d: announcing ahead failed: %r", round_, e)
+
+        self.runner.submit(publish())
 
     async def average_async(self, round_: int, base: str, delta: torch.Tensor) -> AverageResult:
         ctx = self.ctx
@@ -92,6 +139,10 @@ class P2PAverager:
         sent0, received0 = ctx.traffic.sent + self.server.traffic.sent, ctx.traffic.received + self.server.traffic.received
         self._enter(round_)
         mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base)
+        mm.outlive = self.announced.get(round_, 0.0)
+        previous = self.sessions.get(round_ - 1)
+        if previous is not None:  # the peers we just completed (or tried) a round with: likely ready soon
+            mm.expected = set(previous.order)
         try:
             order = await mm.run()
             t1 = time.monotonic()
@@ -109,8 +160,9 @@ class P2PAverager:
             raise
         sent = ctx.traffic.sent + self.server.traffic.sent - sent0
         received = ctx.traffic.received + self.server.traffic.received - received0
-        return AverageResult(outcome.averaged, order, outcome.applied, sent, received,
-                             {"matchmaking_s": t1 - t0, "allreduce_s": time.monotonic() - t1},
+        stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": time.monotonic() - t1,
+                 "others_seen": float(len(mm.seen - set(order)))}
+        return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges))
 

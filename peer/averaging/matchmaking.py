@@ -1,8 +1,12 @@
 """Forming round r's group: the I/O around the pure rules of peer/averaging/views.py.
 
 1. Window: publish our signed ready record; collect the ready peers with our base state from the
-   board until the group reaches its target size, the window closes, or a candidate shows that it
-   already decided (its part for the round reached us: it waits for us).
+   board. The window closes as soon as nobody is worth waiting for: every peer that announced this
+   round ahead (peer/averaging/ready.py), and every member of our previous round's group, is ready
+   or gone to another base; at once when we are the only peer of the round. It also
+   closes when the group reaches the run's target size, when a candidate shows that it already
+   decided (its part for the round reached us: it waits for us), and at the latest
+   ``spec.matchmaking_timeout`` after we were ready: the grace a straggler gets, whatever it claims.
 2. Agreement: ask every member of our effective view for its view, first-hand, and fold the
    answers in (views.fold) until every member answers with exactly our view, or one reports a
    decision we can accept. Peers others name are asked before they can count.
@@ -25,9 +29,11 @@ from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, out
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.wire import MAX_GROUP
+from hivetrain.peer.state.snapshot import ZERO
 
 logger = logging.getLogger(__name__)
-POLL = 0.25  # seconds between board reads while the window is open
+POLL = 0.1  # seconds between board reads while the window is open
+MAX_PENDING = 256  # announced peers we keep track of (the board's most recent, highest priority first)
 VIEW_TIMEOUT = 3.0  # seconds for one view request: a peer that accepts the stream and never answers is excluded
 VIEW_ATTEMPTS = 3  # tries of one view request that fails fast (a dropped stream, a refused dial)
 FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tried again
@@ -49,6 +55,12 @@ class Matchmaking:
         self.view = View(round_, base, ctx.me)
         self.changed = asyncio.Event()
         self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
+        self.pending: dict[str, float] = {}  # announced, still computing -> the unix time it expects to be ready
+        self.expected: set[str] = set()  # our previous round's group: waited for like announced peers
+        self.elsewhere: set[str] = set()  # ready at another base: nobody waits for them
+        self.seen: set[str] = set()  # every peer with a record for this round, any base (for "alone" warnings)
+        self.waited = 0.0  # seconds the window stayed open
+        self.outlive = 0.0  # unix time our announcement of this round expires: our ready record must outlive it
         self._prefixes: dict[str, str | None] = {}
 
     # ---- handlers (called by the averager's dispatch, on the loop) --------------------------------
@@ -70,7 +82,9 @@ class Matchmaking:
         spec = self.ctx.spec
         announce = asyncio.create_task(self._announce())
         try:
-            await self._window(time.monotonic() + spec.matchmaking_timeout)
+            opened = time.monotonic()
+            await self._window(opened + spec.matchmaking_timeout)
+            self.waited = time.monotonic() - opened
             group = await self._agree(time.monotonic() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
         finally:
             announce.cancel()  # decided or failed: no more store retries for this round
@@ -79,8 +93,8 @@ class Matchmaking:
         return group_order(group, self.view.round, self.view.base)
 
     async def _announce(self) -> None:
-        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run)
-        ttl = self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout
+        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=time.time())
+        ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - time.time() + 1.0)
         end = time.monotonic() + self.ctx.spec.matchmaking_timeout
         while time.monotonic() < end:
             try:
@@ -101,18 +115,39 @@ class Matchmaking:
         except Exception as e:  # a partitioned or slow DHT: the window goes on with what we know
             logger.debug("round %d: reading ready records failed: %r", self.view.round, e)
             return
-        ours = [r.peer_id for r in records if (r.base, r.spec) == (self.view.base, self.ctx.run)]
+        records = [r for r in records if r.spec == self.ctx.run and r.peer_id != self.ctx.me]
         order = priority(self.view.round, self.view.base, self._weight)
-        for peer in sorted(ours, key=order):  # the view's candidate cap keeps the highest priority
-            if self.view.add(peer):
-                self.changed.set()
+        records.sort(key=lambda r: order(r.peer_id))  # the caps keep the highest priority
+        self.seen.update(r.peer_id for r in records[:MAX_PENDING])
+        pending: dict[str, float] = {}
+        for r in records:
+            if r.done and r.base == self.view.base:
+                if self.view.add(r.peer_id):
+                    self.changed.set()
+            elif r.done:
+                if len(self.elsewhere) < MAX_PENDING:
+                    self.elsewhere.add(r.peer_id)
+            elif r.base in (self.view.base, ZERO) and len(pending) < MAX_PENDING:
+                pending[r.peer_id] = r.eta
+        self.pending = pending
+
+    def worth_waiting(self) -> list[str]:
+        """Peers we wait for (at most until the window's hard end): those that announced this round
+        and the members of our previous round's group (an announcement can still be on its way
+        through the DHT), unless they are candidates already, ready at another base, or banned.
+        ETAs are not trusted either way: an ETA is an estimate (the peer's last inner steps took
+        that long; the first ones include warm-up and are seconds off), and an outsider can announce
+        what it likes, so waiting is bounded by the grace alone."""
+        waited = (set(self.pending) | self.expected) - self.view.candidates - self.elsewhere - {self.ctx.me}
+        return sorted(p for p in waited if p not in self.ctx.bans)
 
     async def _window(self, end: float) -> None:
         target = self.ctx.spec.target_group_size
         while True:
             await self._read_board()
             remaining = end - time.monotonic()
-            if remaining <= 0 or len(self.view.effective()) >= target or self.urgent or self.view.decided:
+            if (remaining <= 0 or len(self.view.effective()) >= target or self.urgent or self.view.decided
+                    or not self.worth_waiting()):
                 return
             self.changed.clear()
             try:

@@ -1,6 +1,9 @@
 """Ready records: "I am forming round r's group from base state b", signed by the peer's libp2p key.
 
-Matchmaking reads them to find candidates; a record counts only for the peer id its signature
+A peer announces a round ahead, when its inner steps start (``done`` false, with the time it
+expects to be ready, ``eta``, and the base if it knows it yet), and again when it is ready
+(``done`` true). Matchmaking reads them to find candidates (done, at our base) and to know whom it
+is worth waiting for (announced, not yet done); a record counts only for the peer id its signature
 binds it to. Two boards: the DHT (real peers) and a dict in memory (tests and simulation).
 """
 
@@ -22,8 +25,10 @@ READ_TIMEOUT = 5.0  # seconds for one read of the board
 class Ready:
     peer_id: str  # bound to the signer's key
     round: int
-    base: str
+    base: str  # ZERO in an announcement made before the base was known
     spec: str
+    done: bool = True  # false: announced ahead, still computing
+    eta: float = 0.0  # unix time it expects to be ready (a claim: readers bound what they wait)
 
 
 class ReadyBoard(Protocol):
@@ -37,8 +42,10 @@ class ReadyBoard(Protocol):
 
 
 def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope:
+    """The signed record. An announcement expires before the ready record that follows it, so the
+    DHT (which keeps the later expiration under one subkey) never lets it replace that one."""
     payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
-                                           spec_hash=ready.spec))
+                                           spec_hash=ready.spec, done=ready.done, eta=float(ready.eta)))
     return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, time.time() + ttl)
 
 
@@ -48,7 +55,8 @@ def verified(envelope: Envelope) -> Ready | None:
         fields = decode_bound("ready", envelope)
     except InvalidRecord:
         return None
-    return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"])
+    return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"], fields["done"],
+                 fields["eta"])
 
 
 class DHTReadyBoard:
@@ -75,7 +83,10 @@ class MemoryReadyBoard:
 
     async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
         envelope = sign(identity, self.run_key, ready, ttl)
-        self.records.setdefault(ready.round, {})[envelope.subkey] = envelope
+        held = self.records.setdefault(ready.round, {})
+        if envelope.subkey in held and held[envelope.subkey].expiration > envelope.expiration:
+            return False  # like the DHT: the record that expires later stays
+        held[envelope.subkey] = envelope
         for old in [r for r in self.records if r < ready.round - 2]:  # bounded: recent rounds only
             del self.records[old]
         return True

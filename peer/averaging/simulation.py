@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from hivetrain.peer.averaging.api import AverageResult
 from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.ready import MemoryReadyBoard
+from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.memory import MemoryNetwork
@@ -40,8 +41,11 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self.submit(coro)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -90,12 +94,16 @@ class LocalSwarm:
         base_of = [bases] * len(who) if isinstance(bases, str) else list(bases)
 
         async def go() -> list[Any]:
+            # as the training loop does: every member announces the round ahead, while "computing"
+            for i, b in zip(who, base_of, strict=True):
+                peer = self.peers[i].ctx
+                await self.board.publish(peer.identity, Ready(peer.me, round_, b, peer.run, done=False,
+                                                              eta=time.time()), 1.0)
             return await asyncio.gather(*(self.peers[i].average_async(round_, b, d)
                                           for i, b, d in zip(who, base_of, deltas, strict=True)),
                                         return_exceptions=True)
 
-        spec = self.spec
-        budget = timeout or spec.matchmaking_timeout * 2 + spec.allreduce_timeout + 15
+        budget = timeout or self.peers[0].budget
         outcomes = self.loop.run(go(), budget)
         for i, out in zip(who, outcomes, strict=True):
             if isinstance(out, AverageResult):

@@ -20,6 +20,7 @@ no memory here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -313,6 +314,7 @@ class StateKeeper:
         self._poisoned: dict[str, None] = {}  # state hashes refused for NaN/Inf
         self._named: dict[str, None] = {}  # peers whose refused claims we already logged
         self._seen: dict[str, tuple[int, float]] = {}  # trusted peer -> (round, monotonic time) last accepted
+        self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
 
     def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
         """At a round boundary (training thread): the state fork choice moves us to, verified, or None."""
@@ -347,10 +349,30 @@ class StateKeeper:
         except StateSyncFailed as e:
             self.log(f"state sync failed, trying again next round: {e}")
             return None
-        info = dict(self.sync.last_download, attesters=list(target.attesters), why=choice.detail)
+        info = dict(self.sync.last_download, attesters=list(target.attesters), why=choice.detail,
+                    joiner=not weights)
         self.log(f"downloaded {info['bytes'] / 1e6:.1f} MB in {info['seconds']:.1f} s from "
                  f"{len(info['donors'])} donors" + (f", dropped {sorted(info['dropped'])}" if info["dropped"] else ""))
         return snapshot, info
+
+    def wait_for_next(self, round_: int, attesters: list[str], timeout: float) -> bool:
+        """After a joiner's sync to round ``round_``: waits (training thread) until most of the peers
+        that attested it announce a later state, at most ``timeout`` seconds; returns whether they
+        did. The state we synced may be seconds old, so the others are that far into their inner
+        steps: starting ours now we would be ready too late for their group and train a round alone.
+        Syncing again right after their next boundary, we start with them."""
+        deadline = time.monotonic() + timeout
+        watched = set(attesters)
+        while time.monotonic() < deadline:
+            try:
+                found = attestations(read_heartbeats(self.sync.dht, self.sync.run_key))
+            except (PeerError, DHTError):
+                found = []
+            moved = {a.peer for a in found if a.peer in watched and a.state.round > round_}
+            if 2 * len(moved) > len(watched):  # most of them: fork choice will see the new state
+                return True
+            time.sleep(0.25)
+        return False
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``
@@ -375,5 +397,12 @@ class StateKeeper:
         if not self.history or (self.history[-1].round, self.history[-1].hash) != (snapshot.round, snapshot.hash):
             self.history.append(State(snapshot.round, snapshot.hash, snapshot.parent))
         self.sync.serve(snapshot)
-        if self.checkpoint_path:
-            checkpoint.write(self.checkpoint_path, snapshot)
+        if self.checkpoint_path:  # off the training thread: one writer, in order (a snapshot is immutable)
+            path = self.checkpoint_path
+            self._writes.submit(self._write, path, snapshot)
+
+    def _write(self, path: str, snapshot: Snapshot) -> None:
+        try:
+            checkpoint.write(path, snapshot)
+        except OSError as e:  # a full disk must not stop training; say it every time it happens
+            self.log(f"warning: could not write the checkpoint ({e})")

@@ -141,10 +141,23 @@ class OuterState:
         self._snapshot = snapshot
         copy_flat_to_params(self.master, model.parameters())
 
-    def pseudo_gradient(self, model: nn.Module) -> torch.Tensor:
-        """Returns delta = master - params (a view of an internal buffer, valid until the next call)."""
+    def pseudo_gradient(self, model: nn.Module, out: torch.Tensor | None = None,
+                        start: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns delta = start - params (``start``: the parameters the inner steps started from,
+        the master by default), in ``out`` or else in an internal buffer (valid until the next call)."""
         copy_params_to_flat(model.parameters(), self._local)
-        return pseudo_gradient(self.master, self._local, out=self._delta)
+        return pseudo_gradient(self.master if start is None else start, self._local,
+                               out=self._delta if out is None else out)
+
+    @torch.no_grad()
+    def lookahead(self, delta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The outer step the master would take with ``delta``, into ``out``; the state is unchanged.
+        Eager overlap starts the next inner steps here, our own delta standing in for the group's
+        average still in flight."""
+        momentum = self.momentum.clone()
+        out.copy_(self.master)
+        nesterov_outer_step(out, momentum, delta, self.lr, self.mu)
+        return out
 
     def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = (),
               link: str | None = None) -> None:

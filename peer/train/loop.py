@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 import torch
+from torch import nn
 
-from hivetrain.peer.averaging.api import Averager
+from hivetrain.peer.averaging.api import Averager, Finished, Pending, begin_now
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
-from hivetrain.peer.train.diloco import OuterState, copy_params_to_flat, state_hash
+from hivetrain.peer.train.diloco import OuterState, copy_flat_to_params, copy_params_to_flat, state_hash
 from hivetrain.peer.train.model import build_model
 from hivetrain.peer.trust import Trust
 
@@ -39,6 +40,10 @@ class StateHooks(Protocol):
 
     def committed(self, snapshot: Snapshot) -> None:
         """The state at a new round boundary: serve it to joiners, checkpoint it."""
+        ...
+
+    def wait_for_next(self, round_: int, attesters: list[str], timeout: float) -> bool:
+        """After a joiner's sync: waits until the peers it synced from move past ``round_``."""
         ...
 
 
@@ -93,6 +98,13 @@ class Trainer:
         self.sampler = ShardSampler(parts.corpus.train, spec.seq_len, spec.batch_size, seed)
         self.eval_set = eval_batches(parts.corpus.heldout, spec.seq_len, spec.batch_size, eval_batch_count)
         self.numel = self.outer.numel
+        self.max_rounds = 0
+        self._mark = time.perf_counter()  # when the previous round record was written (or training started)
+        self._cpu_mark = time.process_time()  # the process's CPU time then
+        self._computed = 0.0  # seconds of inner steps since the previous round record
+        self._compute_estimate = 0.0  # how long the last inner steps took: the ETA we announce
+        self._joined = False  # a joiner waits once, after its first sync, for the run's next boundary
+        self._boundary_wait = 2 * spec.matchmaking_timeout + spec.allreduce_timeout + 60.0  # seconds, at most
         self.totals = {"bytes_sent": 0, "bytes_received": 0, "inner_steps": 0, "rounds_completed": 0,
                        "rounds_void": 0, "ddp_equivalent_bytes": 0}
 
@@ -125,16 +137,24 @@ class Trainer:
 
     def run(self, max_rounds: int) -> dict[str, Any]:
         """Trains until ``max_rounds`` rounds have passed (0: forever); returns the totals."""
+        self.max_rounds = max_rounds
         initial = self._eval()
         self.parts.metrics.write({"event": "start", "round": 0, "state_hash": self.outer.hash(),
-                                  "eval_loss": initial, "numel": self.numel, "peer_id": self.parts.peer_id})
-        self.log(f"start: {self.numel:,} parameters, held-out loss {_fmt(initial)}, state {self.outer.hash()[:12]}")
+                                  "eval_loss": initial, "numel": self.numel, "peer_id": self.parts.peer_id,
+                                  "overlap": self.spec.overlap})
+        self.log(f"start: {self.numel:,} parameters, held-out loss {_fmt(initial)}, state {self.outer.hash()[:12]}"
+                 + (", rounds overlapped (all-reduce during the next round's inner steps)"
+                    if self.spec.overlap != "none" else ""))
         self._committed(0.0, None, initial)
-        while max_rounds == 0 or self.outer.round < max_rounds:
-            self.catch_up()
-            if max_rounds and self.outer.round >= max_rounds:
-                break
-            self.run_round()
+        self._mark, self._cpu_mark = time.perf_counter(), time.process_time()
+        if self.spec.overlap != "none":
+            self.run_overlapped(max_rounds)
+        else:
+            while max_rounds == 0 or self.outer.round < max_rounds:
+                self.catch_up()
+                if max_rounds and self.outer.round >= max_rounds:
+                    break
+                self.run_round()
         return dict(self.totals, initial_eval_loss=initial)
 
     def resume(self, snapshot: Snapshot) -> None:
@@ -163,6 +183,12 @@ class Trainer:
                                   "seconds": time.perf_counter() - t0, **info})
         self.log(f"synced to round {snapshot.round}, state {snapshot.hash[:12]}, held-out {_fmt(eval_loss)}")
         self._committed(0.0, None, eval_loss)
+        if info.get("joiner") and not self._joined:
+            # a joiner's first sync lands somewhere inside the others' round: start with them at the next one
+            self._joined = True
+            self.log("waiting for the run's next round boundary, to start it together with the others")
+            if self.parts.state.wait_for_next(snapshot.round, info.get("attesters", []), self._boundary_wait):
+                self.catch_up()
 
     def _committed(self, throughput: float, train_loss: float | None, eval_loss: float | None) -> None:
         snapshot = self.outer.snapshot()
@@ -172,20 +198,92 @@ class Trainer:
                        eval_loss=eval_loss)
 
     def run_round(self) -> dict[str, Any]:
-        """One outer round: H inner steps, the group's all-reduce, the outer step (or a void round)."""
+        """One synchronous round: H inner steps, the group's all-reduce, the outer step (or a void round)."""
         r, base = self.outer.round, self.outer.hash()
+        self._announce(r, base)
+        record, delta = self._compute(r, base, self.outer.pseudo_gradient)
+        t1 = time.perf_counter()
+        return self._finish(record, self._share(record, delta, begin=False), t1)
+
+    def run_overlapped(self, max_rounds: int) -> None:
+        """Rounds whose outer step is applied one round late (``spec.overlap``: "delayed", DiLoCoX;
+        "eager", Kale et al. 2025), so that each all-reduce runs during the next inner steps.
+
+        At each boundary: the inner steps that just ended give delta (against the parameters they
+        started from); the averaging in flight (round r, base M_r) is awaited and applied, M_r ->
+        M_r+1; fork choice may move us; the new delta's averaging starts in the background with base
+        M_r+1, and the next inner steps start, while it runs, from M_r+1 (delayed) or from the outer
+        step our own delta would take from M_r+1 (eager: it stands in for the group's average). So
+        a delta computed from round r-1's start is applied to M_r: every member of a group holds the
+        same base and applies the same average, hence ends bit-identical, as in synchronous rounds;
+        where the next inner steps start is each peer's own business. A void round applies nothing
+        (M_r+1 = M_r). A joiner syncs at a boundary and averages its first delta with that base."""
+        self.catch_up()
+        pending: tuple[dict[str, Any], Pending] | None = None
+        spare = [torch.empty(self.numel, dtype=torch.float32) for _ in range(2)]  # delta in flight / delta being made
+        start = self.outer.master.clone()  # where the inner steps being run started
+        while True:
+            upcoming = self.outer.round + (1 if pending else 0)  # the round the coming inner steps are averaged in
+            computing = not (max_rounds and upcoming >= max_rounds)
+            if computing:
+                self._announce(upcoming, None if pending else self.outer.hash())
+                out = spare[upcoming % 2]
+
+                def make_delta(model: nn.Module, out: torch.Tensor = out) -> torch.Tensor:
+                    return self.outer.pseudo_gradient(model, out=out, start=start)
+
+                record, delta = self._compute(upcoming, "", make_delta)
+            if pending is not None:
+                t1 = time.perf_counter()
+                done, inflight = pending
+                self._finish(done, inflight, t1, drain=not computing)
+            if not computing:
+                return
+            self.catch_up()
+            record.update(round=self.outer.round, base_hash=self.outer.hash())
+            if self.spec.overlap == "eager" and record["train_loss"] is not None:
+                self.outer.lookahead(delta, out=start)
+            else:
+                start.copy_(self.outer.master)
+            copy_flat_to_params(start, self.model.parameters())  # the next inner steps start here
+            pending = (record, self._share(record, delta, begin=True))
+
+    def _announce(self, round_: int, base: str | None) -> None:
+        eta = self._compute_estimate
+        self.parts.averager.announce(round_, base, eta * 1.05 + 0.2 if eta else None)
+
+    def _compute(self, r: int, base: str, make_delta: Callable[[nn.Module], torch.Tensor]
+                 ) -> tuple[dict[str, Any], torch.Tensor]:
         t0 = time.perf_counter()
         train_loss, tokens_per_s = self.inner_steps()
-        delta = self.outer.pseudo_gradient(self.model)
-        t1 = time.perf_counter()
+        delta = make_delta(self.model)
+        seconds = time.perf_counter() - t0
+        self._compute_estimate = seconds
+        self._computed += seconds
+        self.totals["inner_steps"] += self.spec.sync_every
         record: dict[str, Any] = {"event": "round", "round": r, "base_hash": base, "inner_steps": self.spec.sync_every,
                                   "train_loss": train_loss if math.isfinite(train_loss) else None,
-                                  "tokens_per_s": tokens_per_s, "compute_s": t1 - t0}
+                                  "tokens_per_s": tokens_per_s, "delta_compute_s": seconds}
+        if not math.isfinite(train_loss):
+            record["why"] = f"training loss became {train_loss} in round {r}; our pseudo-gradient is not shared"
+        return record, delta
+
+    def _share(self, record: dict[str, Any], delta: torch.Tensor, begin: bool) -> Pending:
+        """Averages ``delta`` (``begin``: in the background), or voids at once a round whose loss went bad."""
+        r, base = record["round"], record["base_hash"]
+        if record["train_loss"] is None:
+            self.inner_opt.state.clear()  # its moments are poisoned too: start them afresh
+            return Finished(RoundFailed(record["why"]))
+        if begin:
+            return self.parts.averager.begin(r, base, delta)
+        return begin_now(self.parts.averager, r, base, delta)
+
+    def _finish(self, record: dict[str, Any], pending: Pending, t1: float, drain: bool = False) -> dict[str, Any]:
+        """The one place a round ends: waits for its averaging, applies it or voids the round
+        (restore, report), then records, evaluates, commits and prints."""
+        r = record["round"]
         try:
-            if not math.isfinite(train_loss):
-                self.inner_opt.state.clear()  # its moments are poisoned too: start them afresh
-                raise RoundFailed(f"training loss became {train_loss} in round {r}; our pseudo-gradient is not shared")
-            result = self.parts.averager.average(r, base, delta)
+            result = pending.result()
         except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
             self.outer.void(self.model)
             self.totals["rounds_void"] += 1
@@ -204,19 +302,46 @@ class Trainer:
             record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
                           bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                           excluded=result.excluded, void_shards=[list(v) for v in result.void_ranges], **result.stats)
-        self.totals["inner_steps"] += self.spec.sync_every
-        record["allreduce_s"] = time.perf_counter() - t1
-        eval_loss = self._eval()
+        now = time.perf_counter()
+        record.setdefault("matchmaking_s", None)
+        record.setdefault("allreduce_s", None)
+        record["idle_s"] = now - t1  # the training thread waited for the network (and the outer step)
+        record["compute_s"], self._computed = self._computed, 0.0  # inner steps since the previous record
+        record["round_s"] = now - self._mark
+        cpu = time.process_time()  # the whole process: inner steps, encoding, reducing, auditing, the DHT
+        record["cpu_s"], self._cpu_mark = cpu - self._cpu_mark, cpu
+        record["utilization"] = record["compute_s"] / max(record["round_s"], 1e-9)
+        record["overlap"] = self.spec.overlap
+        record["drain"] = drain
+        self._mark = now
+        eval_loss = self._eval() if self._eval_due() else None
         state = self.outer.hash()
-        record.update(state_hash=state, eval_loss=eval_loss)
+        record.update(state_hash=state, eval_loss=eval_loss, eval_s=time.perf_counter() - now)
         self.parts.metrics.write(record)
-        self._committed(tokens_per_s, record["train_loss"], eval_loss)
+        self._committed(record["tokens_per_s"], record["train_loss"], eval_loss)
         if not record["void"]:
-            self.log(f"round {r}: train {train_loss:.3f} | held-out {_fmt(eval_loss)} | group {record['group_size']} "
-                     f"| sent {record['bytes_sent'] / 1e6:.2f} MB | {record['compute_s']:.1f}s compute "
-                     f"{record['allreduce_s']:.1f}s all-reduce | state {state[:12]}")
+            self._say_round(record)
         self.parts.behaviour.at("after_round", r)
+        self._mark += record["eval_s"]  # evaluation is not network time: the next round's wall clock starts after it
         return record
+
+    def _eval_due(self) -> bool:
+        r = self.outer.round
+        return r % self.spec.eval_every == 0 or (self.max_rounds > 0 and r >= self.max_rounds)
+
+    def _say_round(self, record: dict[str, Any]) -> None:
+        r, n = record["round"], record["group_size"]
+        net = (f"matchmaking {record['matchmaking_s']:.1f}s, all-reduce {record['allreduce_s']:.1f}s"
+               if record.get("matchmaking_s") is not None else "no network")
+        overlapped = " (overlapped)" if self.spec.overlap != "none" else ""
+        eval_part = f" | held-out {record['eval_loss']:.3f}" if record["eval_loss"] is not None else ""
+        self.log(f"round {r}: train {_fmt(record['train_loss'])}{eval_part} | group {n}{' (ALONE)' if n == 1 else ''} "
+                 f"| sent {record['bytes_sent'] / 1e6:.2f} MB | compute {record['compute_s']:.1f}s, {net}{overlapped}, "
+                 f"idle {record['idle_s']:.1f}s | utilization {record['utilization']:.0%} | state {record['state_hash'][:12]}")
+        others = int(record.get("others_seen") or 0)
+        if n == 1 and others:
+            self.log(f"warning: round {r} trained alone while {others} other peer(s) of the run were at another "
+                     "state or left the group; we move to the run's state at the next boundary if it is ahead")
 
 
 def _fmt(x: float | None) -> str:

@@ -127,11 +127,13 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                 expires(120), subkey=liar.subkey, exclude_self=True)
             note(log, "hb in another's name", ok)
             # 2. matchmaking: ready records of identities that never answer, for this round and the next
+            # (half "ready", half announced ahead and never ready: each costs at most the grace)
             for r in (current, current + 1):
                 for i, s in enumerate(sybils):
                     key = f"hivetrain/{run_key}/ready/{r}"
                     ok = await node.store(key, s.envelope("ready", key, dict(peer_id=s.peer_id, round=r, base_hash=base,
-                                                                           spec_hash=spec_hash), 60),
+                                                                           spec_hash=spec_hash, done=i % 2 == 0,
+                                                                           eta=time.time() + 1.0), 60),
                                           expires(60), subkey=s.subkey, exclude_self=True)
                     note(log, f"ready sybil{i}", ok)
             # 3. junk frames at every peer

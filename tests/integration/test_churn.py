@@ -25,10 +25,10 @@ def _hash_after(peer: Any, round_: int) -> str:
 
 
 def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_path: Path) -> None:
-    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "7", "--target-group-size", "4",
+    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "12", "--target-group-size", "4",
                   "--matchmaking-timeout", "6", "--quiet", "--wait-for-peers", "3")
     info = owner.wait_info()
-    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "7", "--quiet"]
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "12", "--quiet"]
     poisoned = swarm("p1", *join, "--wait-for-peers", "3", "--fault", "corrupt@serve_state:0",
                      "--fault-log", str(tmp_path / "fault.log"))
     p2 = swarm("p2", *join, "--wait-for-peers", "3")
@@ -40,10 +40,9 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
         assert p.wait(120) == 0
 
     syncs = joiner.records("sync")
-    # A joiner whose first sync falls late in the others' round finds their group of that round already
-    # decided and trains it on its own; it re-syncs when they announce the next state (then early in
-    # their round). So it syncs once or more, depending on that timing; every sync must hold the below.
-    assert syncs, joiner.records()
+    # A joiner's first sync lands somewhere inside the others' round; it then waits for their next
+    # boundary and syncs again, so that it starts a round together with them (peer/train/loop.py).
+    assert len(syncs) >= 2, joiner.records()
     poisoned_id = poisoned.records("start")[0]["peer_id"]
     for sync in syncs:
         # right after a sync, the joiner's parameters hash to the state the others announced for that round

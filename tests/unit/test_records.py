@@ -359,7 +359,7 @@ def test_non_map_payload_rejected() -> None:
 
 
 def test_ready_payload_round_trip() -> None:
-    fields = dict(peer_id=PEER, round=0, base_hash=HASH, spec_hash=HASH)
+    fields = dict(peer_id=PEER, round=0, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0)
     assert decode_payload("ready", encode_payload("ready", fields)) == fields
     with pytest.raises(InvalidRecord):
         encode_payload("ready", {**fields, "round": 10**9 + 1})
@@ -442,7 +442,7 @@ def test_check_record_binds_key_subkey_and_expiration(owner: Identity, other: Id
 def test_check_record_rejects_kind_key_mismatch(owner: Identity, kind: str, key: str) -> None:
     run_key = make_run_key("r1", owner.public_key)
     payload = encode_payload("hb", _hb_fields()) if kind == "hb" else encode_payload(
-        "ready", dict(peer_id=PEER, round=1, base_hash=HASH, spec_hash=HASH))
+        "ready", dict(peer_id=PEER, round=1, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0))
     env = Envelope.sign(owner, kind, key.format(rk=run_key), payload, time.time() + 60)
     with pytest.raises(InvalidRecord):
         check_record(*_dht_args(env))
@@ -450,7 +450,7 @@ def test_check_record_rejects_kind_key_mismatch(owner: Identity, kind: str, key:
 
 def test_check_record_accepts_ready_record(owner: Identity) -> None:
     run_key = make_run_key("r1", owner.public_key)
-    payload = encode_payload("ready", dict(peer_id=owner.peer_id, round=12, base_hash=HASH, spec_hash=HASH))
+    payload = encode_payload("ready", dict(peer_id=owner.peer_id, round=12, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0))
     env = Envelope.sign(owner, "ready", ready_key(run_key, 12), payload, time.time() + 60)
     assert check_record(*_dht_args(env)) == env
     assert decode_bound("ready", env)["peer_id"] == owner.peer_id
@@ -461,7 +461,7 @@ def test_check_record_accepts_ready_record(owner: Identity) -> None:
 
 def _ready_envelope(signer: Identity, named: str) -> Envelope:
     run_key = make_run_key("r1", signer.public_key)
-    payload = encode_payload("ready", dict(peer_id=named, round=12, base_hash=HASH, spec_hash=HASH))
+    payload = encode_payload("ready", dict(peer_id=named, round=12, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0))
     return Envelope.sign(signer, "ready", ready_key(run_key, 12), payload, time.time() + 60)
 
 

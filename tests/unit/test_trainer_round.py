@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hivetrain.peer.averaging.api import AverageResult
+from hivetrain.peer.averaging.api import AverageResult, Finished, begin_now
 from hivetrain.peer.config import ModelConfig, RunSpec
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.train.data import Corpus, split_documents
@@ -31,6 +31,7 @@ class Recorder:
 
     def __init__(self, fail: bool = False):
         self.calls: list[int] = []
+        self.announced: list[int] = []
         self.fail = fail
 
     def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
@@ -38,6 +39,12 @@ class Recorder:
         if self.fail:
             raise RoundFailed("no group")
         return AverageResult(delta.clone(), ("me", "partner"), "cd" * 32)
+
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> Finished:
+        return begin_now(self, round_, base_hash, delta)
+
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+        self.announced.append(round_)
 
 
 def trainer(corpus: Corpus, averager: Recorder, trust: Trust | None = None) -> Trainer:
