@@ -50,10 +50,11 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.kernels.int8 import Codec, get_codec
-from hivetrain.peer.averaging.api import AverageResult, shard_bounds
+from hivetrain.peer.averaging.api import AverageResult, Finished, shard_bounds
 from hivetrain.peer.averaging.simulation import LocalSwarm
 from hivetrain.peer.config import PRESETS, RunSpec
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
+from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
 
 Batch = tuple[Tensor, Tensor]
@@ -81,6 +82,12 @@ class _DrivenFromOutside:
     """The averager of a benchmark trainer: the benchmark averages for all workers at once."""
 
     def average(self, round_: int, base_hash: str, delta: Tensor) -> AverageResult:
+        raise AssertionError("the benchmark drives the outer step itself")
+
+    def begin(self, round_: int, base_hash: str, delta: Tensor) -> Finished:
+        raise AssertionError("the benchmark drives the outer step itself")
+
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
         raise AssertionError("the benchmark drives the outer step itself")
 
 
@@ -148,11 +155,14 @@ class DilocoSim:
 
     def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int, codec: Codec):
         spec = dataclasses.replace(spec, compression=codec.name, target_group_size=workers)
+        self.overlap = spec.overlap
+        self.inflight: list[torch.Tensor] | None = None  # overlapped: the deltas whose average is applied next round
         self.trainers = [make_trainer(spec, corpus, f"worker{i}") for i in range(workers)]
         self.swarm = LocalSwarm(spec, self.trainers[0].numel, workers)
         for trainer, sampler in zip(self.trainers, make_samplers(spec, corpus, workers, seed), strict=True):
             trainer.sampler = sampler  # the data order shared with the other variants
         self.numel = self.trainers[0].numel
+        self.starts = [t.outer.master.clone() for t in self.trainers]  # overlap: where each worker's inner steps start
         self._check_identical()
 
     @property
@@ -169,15 +179,37 @@ class DilocoSim:
         losses = [t.inner_steps()[0] for t in self.trainers]
         if not all(math.isfinite(x) for x in losses):
             raise FloatingPointError(f"training loss became non-finite in round {self.round}: {losses}")
+        if self.overlap == "none":
+            self._average([t.outer.pseudo_gradient(t.model) for t in self.trainers])
+            return sum(losses) / len(losses)
+        # the peer loop's overlap (peer/train/loop.py run_overlapped), without the threads: the deltas
+        # are against where each worker's inner steps started; the average in flight lands now
+        mine = [t.outer.pseudo_gradient(t.model, start=s).clone() for t, s in zip(self.trainers, self.starts, strict=True)]
+        deltas, self.inflight = self.inflight or [], mine
+        if deltas:
+            self._average(deltas)
+        for t, s, d in zip(self.trainers, self.starts, mine, strict=True):
+            if self.overlap == "eager":
+                t.outer.lookahead(d, out=s)
+            else:
+                s.copy_(t.outer.master)
+            copy_flat_to_params(s, t.model.parameters())
+        return sum(losses) / len(losses)
+
+    def drain(self) -> None:
+        """Delayed: applies the average still in flight (the last round's inner steps)."""
+        if self.inflight:
+            deltas, self.inflight = self.inflight, None
+            self._average(deltas)
+
+    def _average(self, deltas: list[torch.Tensor]) -> None:
         base = self.trainers[0].outer.hash()
-        deltas = [t.outer.pseudo_gradient(t.model) for t in self.trainers]
         results = self.swarm.all_reduce(self.round, base, deltas)
         for t, result in zip(self.trainers, results, strict=True):
             if not isinstance(result, AverageResult):
                 raise RuntimeError(f"{t.parts.peer_id}: the simulated round {self.round} failed: {result}")
             t.outer.apply(result.averaged, t.model, keep=result.void_ranges, link=result.applied)
         self._check_identical()
-        return sum(losses) / len(losses)
 
     def close(self) -> None:
         self.swarm.close()
@@ -190,7 +222,7 @@ class DilocoSim:
             ):
                 raise AssertionError(f"{t.parts.peer_id} diverged from {first.parts.peer_id} at round {t.outer.round}")
             for p, q in zip(t.model.parameters(), first.model.parameters(), strict=True):
-                if not torch.equal(p, q):
+                if self.overlap == "none" and not torch.equal(p, q):  # overlapped: each starts where it likes
                     raise AssertionError(f"{t.parts.peer_id} parameters differ from its master at round {t.outer.round}")
 
 
@@ -225,6 +257,8 @@ class BenchConfig:
     eval_batch_size: int
     threads: int
     aggregation: str = "robust"  # the run spec's default; "mean" is exact DiLoCo
+    overlap: bool = False  # also run int8 with the overlapped rounds (spec.overlap "delayed" and "eager")
+    only: tuple[str, ...] = ()  # run just these variants; empty: all
 
     @property
     def tokens_per_step(self) -> int:
@@ -232,15 +266,18 @@ class BenchConfig:
         return self.workers * self.batch_size * self.seq_len
 
     def variants(self) -> list[tuple[str, int | None, str | None]]:
-        """(name, H, codec) in table order."""
+        """(name, H, codec) in table order; a name ending in ``_delayed`` or ``_eager`` runs overlapped rounds."""
         out: list[tuple[str, int | None, str | None]] = [("ddp", None, None)]
         for h in self.hs:
             out += [(f"diloco_{c}_H{h}", h, c) for c in CODECS]
-        return out
+            if self.overlap:
+                out += [(f"diloco_int8_H{h}_{mode}", h, "int8") for mode in ("delayed", "eager")]
+        return [v for v in out if not self.only or v[0] in self.only]
 
-    def spec(self, seed: int, h: int | None) -> RunSpec:
+    def spec(self, seed: int, h: int | None, overlap: str = "none") -> RunSpec:
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=h or 1,
-                                   batch_size=self.batch_size, seq_len=self.seq_len, aggregation=self.aggregation)
+                                   batch_size=self.batch_size, seq_len=self.seq_len, aggregation=self.aggregation,
+                                   overlap=overlap)
 
 
 @dataclass
@@ -267,16 +304,21 @@ def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: i
 
 
 def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, h: int, codec: str,
-               log: Log) -> SeedRun:
-    sim = DilocoSim(cfg.spec(seed, h), corpus, cfg.workers, seed, get_codec(codec))
+               log: Log, overlap: str = "none") -> SeedRun:
+    """Delayed (``overlap``): the held-out loss after round r has r - 1 averages applied; the last
+    one is applied (drained) before the final evaluation, so every variant ends with all its tokens."""
+    sim = DilocoSim(cfg.spec(seed, h, overlap), corpus, cfg.workers, seed, get_codec(codec))
     rounds = cfg.steps // h
+    name = f"diloco_{codec}_H{h}" + (f"_{overlap}" if overlap != "none" else "")
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
     try:
         for r in range(1, rounds + 1):
             train = sim.run_round()
+            if r == rounds:
+                sim.drain()
             losses.append(evaluate(sim.model, eval_set, "cpu"))
-            log(f"[diloco_{codec}_H{h} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
+            log(f"[{name} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
                 f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
     finally:
         sim.close()
@@ -319,12 +361,13 @@ def run_benchmark(cfg: BenchConfig, log: Log = _stderr) -> list[dict[str, Any]]:
                 runs.append(run_ddp(cfg, corpus, eval_set, seed, log))
             else:
                 assert h is not None
-                runs.append(run_diloco(cfg, corpus, eval_set, seed, h, codec, log))
+                overlap = name.rsplit("_", 1)[1] if name.endswith(("_delayed", "_eager")) else "none"
+                runs.append(run_diloco(cfg, corpus, eval_set, seed, h, codec, log, overlap))
         results.append(summarize(cfg, name, h, codec, runs))
         log(f"== {name}: final held-out {results[-1]['final_eval_loss_mean']:.4f} "
             f"+- {results[-1]['final_eval_loss_std']:.4f} ({sum(r.seconds for r in runs):.0f}s)")
-    ddp = results[0]
-    for res in results:
+    ddp = next((r for r in results if r["variant"] == "ddp"), None)
+    for res in results if ddp is not None else ():  # (--only without ddp: no ratios)
         res["bytes_ratio_vs_ddp"] = res["bytes_per_worker"] / ddp["bytes_per_worker"]
         res["loss_gap_vs_ddp_pct"] = 100.0 * (res["final_eval_loss_mean"] / ddp["final_eval_loss_mean"] - 1.0)
     return results
@@ -338,12 +381,27 @@ def paired_int8_gaps(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["variant"]: r for r in results}
     rows = []
     for r in results:
-        if r["codec"] != "int8" or f"diloco_fp32_H{r['H']}" not in by_name:
+        if r["codec"] != "int8" or r["variant"].endswith(("_delayed", "_eager")) or f"diloco_fp32_H{r['H']}" not in by_name:
             continue
         fp32 = by_name[f"diloco_fp32_H{r['H']}"]
         diffs = [a - b for a, b in zip(r["final_eval_loss_per_seed"], fp32["final_eval_loss_per_seed"], strict=True)]
         rows.append({"H": r["H"], "gap_mean": statistics.fmean(diffs), "gap_std": _std(diffs),
                      "fp32_seed_std": fp32["final_eval_loss_std"]})
+    return rows
+
+
+def paired_delayed_gaps(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per H and overlap mode: overlapped int8 minus synchronous int8 final loss, paired by seed."""
+    by_name = {r["variant"]: r for r in results}
+    rows = []
+    for r in results:
+        sync = by_name.get(r["variant"].removesuffix("_delayed").removesuffix("_eager"))
+        if not r["variant"].endswith(("_delayed", "_eager")) or sync is None:
+            continue
+        diffs = [a - b for a, b in zip(r["final_eval_loss_per_seed"], sync["final_eval_loss_per_seed"], strict=True)]
+        rows.append({"H": r["H"], "mode": r["variant"].rsplit("_", 1)[1], "gap_mean": statistics.fmean(diffs),
+                     "gap_std": _std(diffs), "gap_pct": 100.0 * statistics.fmean(diffs) / sync["final_eval_loss_mean"],
+                     "sync_seed_std": sync["final_eval_loss_std"]})
     return rows
 
 
@@ -368,6 +426,13 @@ def markdown(cfg: BenchConfig, results: Sequence[dict[str, Any]], seconds: float
             f"| {r['final_eval_loss_mean']:.4f} ± {r['final_eval_loss_std']:.4f} | {r['loss_gap_vs_ddp_pct']:+.2f}% "
             f"| {_mb(r['bytes_per_worker'])} | {r['bytes_ratio_vs_ddp']:.4f} | {statistics.fmean(r['seconds_per_seed']):.0f} |"
         )
+    delayed = paired_delayed_gaps(results)
+    if delayed:
+        lines += ["", "overlapped − synchronous int8 final held-out loss, paired by seed:", "",
+                  "| H | overlap | overlapped − sync (mean ± std over seeds) | relative | sync seed std |",
+                  "|---:|---|---:|---:|---:|"]
+        lines += [f"| {g['H']} | {g['mode']} | {g['gap_mean']:+.4f} ± {g['gap_std']:.4f} | {g['gap_pct']:+.2f}% "
+                  f"| {g['sync_seed_std']:.4f} |" for g in delayed]
     gaps = paired_int8_gaps(results)
     if gaps:
         lines += ["", "int8 − fp32 final held-out loss, paired by seed (same initialisation and data):", "",
@@ -476,7 +541,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or mode.seeds)), hs=hs, steps=steps,
         batch_size=batch, seq_len=args.seq_len or preset.seq_len,
         eval_batches=args.eval_batches or mode.eval_batches, eval_batch_size=preset.batch_size,
-        threads=args.threads, aggregation=args.aggregation,
+        threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
+        only=tuple(v for v in (getattr(args, "only", None) or "").split(",") if v),
     )
 
 
@@ -498,6 +564,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--aggregation", choices=["robust", "mean"], default="robust",
                     help="how reducers combine the parts (default robust, the run spec's default)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="add int8 variants with overlapped rounds (the run spec's overlap 'delayed' and 'eager')")
+    ap.add_argument("--only", help="comma-separated variant names to run (default all; without ddp there are no "
+                    "ratios against it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = build_config(args)

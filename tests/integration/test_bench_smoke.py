@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-VARIANTS = ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_fp32_H10", "diloco_int8_H10"]
+VARIANTS = ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_int8_H5_delayed", "diloco_int8_H5_eager",
+            "diloco_fp32_H10", "diloco_int8_H10", "diloco_int8_H10_delayed", "diloco_int8_H10_eager"]
 KEYS = {"variant", "H", "tokens", "final_eval_loss_mean", "final_eval_loss_std", "seeds", "bytes_per_worker",
         "bytes_ratio_vs_ddp", "curve"}
 
@@ -19,8 +20,8 @@ KEYS = {"variant", "H", "tokens", "final_eval_loss_mean", "final_eval_loss_std",
 def test_convergence_quick_smoke(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="bench.convergence draws plot.png with matplotlib")
     cmd = [sys.executable, "-m", "bench.convergence", "--quick", "--out", str(tmp_path), "--steps", "10",
-           "--seeds", "2", "--batch-size", "2", "--eval-batches", "1", "--threads", "1"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+           "--seeds", "2", "--batch-size", "2", "--eval-batches", "1", "--threads", "1", "--overlap"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "[diloco_int8_H5 seed 1] round 2/2" in result.stderr  # progress on stderr
 
@@ -38,7 +39,7 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
         assert all(len(p) == 3 and all(math.isfinite(v) for v in p) for p in curve)
         assert [p[0] for p in curve] == sorted({p[0] for p in curve})
         assert curve[-1][1] == pytest.approx(r["final_eval_loss_mean"])
-    ddp, fp32_h5, int8_h5, fp32_h10, int8_h10 = results
+    ddp, fp32_h5, int8_h5, delayed_h5, eager_h5, fp32_h10, int8_h10, delayed_h10, eager_h10 = results
     assert ddp["H"] is None and ddp["bytes_ratio_vs_ddp"] == 1.0
     assert len(ddp["curve"]) == 3  # 0, 5 and 10 steps: the token counts of every DiLoCo round
     assert (fp32_h5["H"], len(fp32_h5["curve"]), len(fp32_h10["curve"])) == (5, 3, 2)
@@ -46,6 +47,14 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
     assert fp32_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 10)
     assert int8_h5["bytes_ratio_vs_ddp"] == pytest.approx(1 / 20, rel=0.01)
     assert int8_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 40, rel=0.01)
+    for overlapped, sync in ((delayed_h5, int8_h5), (eager_h5, int8_h5), (delayed_h10, int8_h10), (eager_h10, int8_h10)):
+        assert overlapped["bytes_per_worker"] == sync["bytes_per_worker"]  # the same rounds, applied later
+    # one round (H10): the drain applies it, so overlapped ends exactly where synchronous does; two rounds
+    # (H5): the second round's inner steps started elsewhere
+    assert delayed_h10["final_eval_loss_per_seed"] == eager_h10["final_eval_loss_per_seed"] == int8_h10[
+        "final_eval_loss_per_seed"]
+    assert delayed_h5["final_eval_loss_per_seed"] != int8_h5["final_eval_loss_per_seed"] != eager_h5[
+        "final_eval_loss_per_seed"]
 
     png = (tmp_path / "plot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR" and len(png) > 20_000
@@ -54,3 +63,4 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     for name in VARIANTS:
         assert sum(line.startswith(f"| {name} |") for line in rows) == 1, md
+    assert "overlapped − synchronous int8" in md and "| 10 | eager |" in md
