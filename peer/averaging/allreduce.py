@@ -38,9 +38,11 @@ from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
     Finding,
     FindingKind,
+    Shard,
     ShardInputs,
     audit_shard,
     digest,
+    part_digests,
     probation_claims,
     reduce_shard,
 )
@@ -74,12 +76,15 @@ class AllReduceRunner:
     def __init__(self, ctx: PeerContext, session: RoundSession):
         self.ctx, self.session = ctx, session
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
+        self._ahead: asyncio.Future[tuple[list[str], list[str], Shard] | None] | None = None  # audit head start
 
     async def run(self, delta: torch.Tensor) -> Outcome:
         s, ctx = self.session, self.ctx
         try:
             outcome = await self._run(delta)
         except RoundFailed as e:
+            if self._ahead is not None:
+                self._ahead.cancel()
             if ctx.ef is not None:
                 ctx.ef.discard()
             self._punish()
@@ -120,6 +125,8 @@ class AllReduceRunner:
         ctx.behaviour.at("after_parts", r)
 
         await s.wait_for(lambda: s.has_parts(s.mine), s.deadline, f"parts of shard {s.mine}")
+        if s.audited is not None:  # the audit's recompute runs next to our reduce (two cores), not after it
+            self._ahead = asyncio.ensure_future(self._recompute_ahead(s.audited))
         await self._reduce()
         ctx.behaviour.at("before_results", r)
         await self._send_results()
@@ -158,9 +165,7 @@ class AllReduceRunner:
 
     async def _reduce(self) -> None:
         s, ctx = self.session, self.ctx
-        newcomers = {p for p in s.order if p != ctx.me and ctx.trust.on_probation(p, s.round)}
-        claims = probation_claims(s.order, newcomers)
-        out = await asyncio.to_thread(reduce_shard, self._inputs(s.mine), claims)
+        out = await asyncio.to_thread(reduce_shard, self._inputs(s.mine), self._claims())
         for peer, why in out.excluded.items():  # invalid parts and outliers, seen by us: never grouped again
             self._convict(peer, why, first=False)
         mine = s.shards[s.mine]
@@ -187,6 +192,26 @@ class AllReduceRunner:
                                              probation=mine.claims, excluded=mine.excluded, sig=sig.hex()), body))
         await self._send_all(sends, strict=False)
 
+    def _claims(self) -> list[str]:
+        s, ctx = self.session, self.ctx
+        newcomers = {p for p in s.order if p != ctx.me and ctx.trust.on_probation(p, s.round)}
+        return probation_claims(s.order, newcomers)
+
+    async def _recompute_ahead(self, k: int) -> tuple[list[str], list[str], Shard] | None:
+        """Shard ``k``'s reduce as its auditor, as soon as our copies of its parts are in and before
+        its result arrives, with the probation we would claim ourselves (the reducer's claims are
+        its own; they almost always agree). Returns (claims, part digests, shard), or None."""
+        s = self.session
+        try:
+            await s.wait_for(lambda: s.has_parts(k), s.deadline - AUDIT_GRACE * self.ctx.spec.allreduce_timeout,
+                             "audit copies")
+            inputs = self._inputs(k)
+            claims = self._claims()
+            digests = part_digests(inputs.received, inputs.invalid, inputs.order)
+            return claims, digests, await asyncio.to_thread(reduce_shard, inputs, claims, digests)
+        except Exception:  # no copies in time, or no majority: the audit decides without a head start
+            return None
+
     async def _audit(self, k: int) -> None:
         """Checks shard ``k`` of ``order[k]`` and tells every member the verdict."""
         s, ctx = self.session, self.ctx
@@ -202,7 +227,17 @@ class AllReduceRunner:
         if missing:
             finding = Finding(FindingKind.UNVERIFIABLE, reason(f"no part from {', '.join(missing)} reached us"))
         else:
-            finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, self._inputs(k), shard.claims)
+            inputs = self._inputs(k)
+            ahead = await self._ahead if self._ahead is not None else None
+            recomputed = None
+            if ahead is not None:
+                claims, digests, done = ahead
+                # only if it reduced exactly what the audit checks: the same parts, the reducer's claims
+                if (list(shard.claims) == claims and list(shard.commits) == digests
+                        and part_digests(inputs.received, inputs.invalid, inputs.order) == digests):
+                    recomputed = done
+            finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, inputs, shard.claims,
+                                              recomputed)
         finding = ctx.behaviour.finding(s.round, k, finding)
         if finding is not None:
             logger.warning("round %d: audit of shard %d (reducer %s): %s: %s", s.round, k, s.order[k],

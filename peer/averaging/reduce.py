@@ -170,14 +170,16 @@ def reduce_shard(inputs: ShardInputs, probation: Collection[str] = (), digests: 
 
 
 def audit_shard(result: bytes, committed: Sequence[str], inputs: ShardInputs,
-                probation: Sequence[str] = ()) -> Finding | None:
+                probation: Sequence[str] = (), recomputed: Shard | None = None) -> Finding | None:
     """The auditor's check of a reducer's ``result`` for one shard; None if it holds (any thread).
 
     ``committed`` are the reducer's part digests (in group order) and ``probation`` the members it
     says it gave weight 0; ``inputs`` are the auditor's own copies of the parts. Probation is the
     reducer's own history, which the auditor cannot know: it accepts the claims when they are
     distinct members of the group and fewer than half of it. ``mean`` must match byte for byte;
-    ``robust`` within the module's per-chunk tolerances (see the module doc)."""
+    ``robust`` within the module's per-chunk tolerances (see the module doc). ``recomputed``: our
+    ``reduce_shard`` of exactly these inputs with exactly this ``probation``, done ahead (the
+    caller vouches for that); else it is recomputed here."""
     order = inputs.order
     if len(committed) != len(order):
         return Finding(FindingKind.UNVERIFIABLE, f"{len(committed)} part digests for a group of {len(order)}")
@@ -188,7 +190,7 @@ def audit_shard(result: bytes, committed: Sequence[str], inputs: ShardInputs,
     if differ:
         return Finding(FindingKind.UNVERIFIABLE, f"parts of {', '.join(differ)} differ between reducer and auditor")
     try:
-        expected = reduce_shard(inputs, probation, mine)
+        expected = recomputed if recomputed is not None else reduce_shard(inputs, probation, mine)
     except RoundFailed:
         return Finding(FindingKind.WRONG_AGGREGATE, "the committed parts leave no valid majority, yet a result was sent")
     if result == expected.result:

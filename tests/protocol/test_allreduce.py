@@ -141,3 +141,29 @@ def test_a_peer_arriving_after_the_group_decided_is_left_out_and_the_group_compl
         assert isinstance(results[2], RoundFailed) or len(results[2].group) == 1, story(results)
     finally:
         swarm.close()
+
+
+def test_the_audit_recompute_runs_ahead_next_to_the_reduce_and_is_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each auditor reduces its audited shard as soon as its copies are in, next to its own reduce;
+    when the result arrives with the claims and digests it assumed, the audit compares against that
+    instead of reducing again (``audit_shard`` never calls ``reduce_shard`` itself)."""
+    from hivetrain.peer.averaging import allreduce, reduce
+
+    calls = {"runner": 0, "audit": 0}
+    real = reduce.reduce_shard
+
+    def counted(key: str) -> object:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            calls[key] += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+        return wrapper
+
+    monkeypatch.setattr(allreduce, "reduce_shard", counted("runner"))
+    monkeypatch.setattr(reduce, "reduce_shard", counted("audit"))
+    n = 3
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    try:
+        assert_identical(swarm.all_reduce(0, BASE, deltas(n)), members=n)
+    finally:
+        swarm.close()
+    assert calls == {"runner": 2 * n, "audit": 0}, calls  # n reduces + n recomputes ahead, none inside the audits
