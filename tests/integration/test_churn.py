@@ -120,7 +120,7 @@ def test_sigstop_past_deadline_then_resync(swarm, tmp_path: Path) -> None:
 
 
 def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) -> None:
-    common = [*FAST, "--max-rounds", "6", "--quiet", "--wait-for-peers", "3"]
+    common = [*FAST, "--max-rounds", "10", "--quiet", "--wait-for-peers", "3"]
     owner = swarm("p0", "--new-run", "restarts", "--target-group-size", "3", "--matchmaking-timeout", "6", *common)
     info = owner.wait_info()
     join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
@@ -135,7 +135,9 @@ def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) ->
     for p in (owner, p1, again):
         assert p.wait(240) == 0, p.log.read_text()[-3000:]
     log = again.log.read_text()
-    assert "resumed from checkpoint: round 2" in log
+    # checkpoints are written by a writer thread, so a SIGKILL right after round 1 may catch the one of
+    # round 2 still unwritten: the restart resumes from the newest complete one (verified), then syncs
+    assert "resumed from checkpoint: round 2" in log or "resumed from checkpoint: round 1" in log, log[-2000:]
     finals = {p.name: p.records()[-1] for p in (owner, p1, again)}
     assert len({r["round"] for r in finals.values()}) == 1
     assert len({r["state_hash"] for r in finals.values()}) == 1, finals

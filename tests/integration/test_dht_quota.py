@@ -48,7 +48,7 @@ def heartbeat(identity: Identity, expiration: float) -> Envelope:
 
 
 def ready(identity: Identity, round_: int, expiration: float) -> Envelope:
-    fields = dict(peer_id=identity.peer_id, round=round_, base_hash=HASH, spec_hash=HASH)
+    fields = dict(peer_id=identity.peer_id, round=round_, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0)
     return Envelope.sign(identity, "ready", ready_key(RUN_KEY, round_), encode_payload("ready", fields), expiration)
 
 

@@ -78,11 +78,12 @@ def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="process groups and p2pd are tested on Linux")
 def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
+    # (without --wait-for-peers the owner would not wait: a peer alone trains alone at once)
     owner = swarm("owner", "--new-run", "pair", "--sync-every", "3", "--max-rounds", "2",
-                  "--target-group-size", "2", "--quiet")
+                  "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
-                   "--max-rounds", "2", "--quiet")
+                   "--max-rounds", "2", "--wait-for-peers", "2", "--quiet")
     assert owner.wait(120) == 0 and joiner.wait(120) == 0
     a, b = owner.records(), joiner.records()
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
