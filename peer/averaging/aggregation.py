@@ -73,7 +73,7 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
     x = torch.stack(list(parts))  # (n, d) fp32
     norms = row_norms(x)  # (n,)
     x.mul_(_clip_weights(norms, norm_clip * norms.median())[:, None])
-    v = x.median(dim=0).values  # (d,) robust starting point
+    v = median_rows(x)  # (d,) robust starting point
     diff = torch.empty_like(x)  # (n, d) reused: a fresh one per iteration cost ~30% of the time in page faults
     for _ in range(iters):
         torch.sub(x, v, out=diff)
@@ -81,6 +81,18 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
         diff.mul_(_clip_weights(dist, clip * dist.median())[:, None])
         v = v + diff.mean(dim=0)
     return v
+
+
+def median_rows(x: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise (lower) median of the rows of ``x`` (n, d) -> (d,), as
+    ``x.median(dim=0).values``. For three rows it is max(min(a, b), min(max(a, b), c)): the same
+    value as torch's (always one of the three, exactly; where it is a zero, its sign may be the other
+    tie's), 6x faster (0.085 s against 0.54 s at
+    d = 8.7M on one core: the median was 40 % of ``robust_mean``); other n use torch's."""
+    if x.shape[0] == 3:
+        a, b, c = x[0], x[1], x[2]
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    return x.median(dim=0).values
 
 
 def outliers(parts: Sequence[torch.Tensor], factor: float = OUTLIER) -> list[int]:

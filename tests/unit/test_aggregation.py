@@ -156,3 +156,17 @@ def test_the_reducer_robust_path_is_one_reencoding_and_names_outliers() -> None:
     assert shard.result == CODEC.encode(robust_mean([CODEC.decode(received[p], D) for p in "abc"]))
     with pytest.raises(ValueError):
         aggregate(honest, "median-of-means")
+
+
+def test_median_of_three_rows_is_torch_median_value_for_value() -> None:
+    from hivetrain.peer.averaging.aggregation import median_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 100_000, generator=g)
+    x[:, :3000] = torch.randint(-2, 3, (3, 3000), generator=g).float()  # many ties, zeros among them
+    x[1, 3000:4000] = x[0, 3000:4000]  # pairs equal
+    got, want = median_rows(x), x.median(dim=0).values
+    assert torch.equal(got, want)  # equal values (the sign of a zero may differ from torch's pick: every
+    # peer runs median_rows, so reducer and auditor still agree bit for bit)
+    five = torch.randn(5, 1000, generator=g)
+    assert torch.equal(median_rows(five), five.median(dim=0).values)
