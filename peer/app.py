@@ -133,6 +133,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
         keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
                              min_round_s=spec.min_round_s, log=say)
+        keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
                                        + 60, say)
         metrics = MetricsWriter(options.metrics_file)

@@ -27,7 +27,7 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, TypeVar
 
 from hivetrain.dht.errors import DHTError
@@ -315,8 +315,10 @@ class StateKeeper:
         self._named: dict[str, None] = {}  # peers whose refused claims we already logged
         self._seen: dict[str, tuple[int, float]] = {}  # trusted peer -> (round, monotonic time) last accepted
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        # (round, base) -> None: announces that we will train that round (set by the caller; see catch_up)
+        self.announce: Callable[[int, str], None] | None = None
 
-    def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> tuple[Snapshot, dict[str, Any]] | None:
         """At a round boundary (training thread): the state fork choice moves us to, verified, or None."""
         mine = next((s for s in reversed(self.history) if (s.round, s.hash) == (round_, state_hash)),
                     State(round_, state_hash, ZERO))
@@ -340,6 +342,8 @@ class StateKeeper:
         who = "trusted peers" if weights else "a joiner's count"
         self.log(f"fork choice ({who}): state {target.hash[:12]} of round {target.round}, {choice.detail}; "
                  f"we are at round {round_}: syncing")
+        if announce and self.announce is not None:  # we will train that round: the others can wait for us
+            self.announce(target.round, target.hash)
         try:
             snapshot = self.sync.download(target, self.timeout)
         except PoisonedState as e:

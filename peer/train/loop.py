@@ -33,9 +33,10 @@ from hivetrain.peer.trust import Trust
 class StateHooks(Protocol):
     """What the loop asks of the network about state, at round boundaries (training thread)."""
 
-    def catch_up(self, round_: int, state_hash: str) -> tuple[Snapshot, dict[str, Any]] | None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> tuple[Snapshot, dict[str, Any]] | None:
         """A verified state this peer should move to (the run is ahead or disagrees) and how it was
-        obtained, or None to keep ours."""
+        obtained, or None to keep ours. ``announce``: we will train the round we move to, so tell
+        the run before downloading (the others wait for us within their grace)."""
         ...
 
     def committed(self, snapshot: Snapshot) -> None:
@@ -168,13 +169,16 @@ class Trainer:
         if self.parts.state is None:
             return
         t0 = time.perf_counter()
-        found = self.parts.state.catch_up(self.outer.round, self.outer.hash())
+        # a joiner's first sync lands inside the others' round, which it will not train (it waits for
+        # their next boundary, below): it announces nothing; any later sync it does announce
+        trusted = self.parts.trust is not None and self.parts.trust.has_history(self.outer.round)
+        found = self.parts.state.catch_up(self.outer.round, self.outer.hash(), announce=self._joined or trusted)
         if found is None:
             return
         snapshot, info = found
         from_round, from_hash = self.outer.round, self.outer.hash()
         self.outer.load(snapshot, self.model)
-        eval_loss = self._eval()
+        eval_loss = self._eval() if self._eval_due() else None  # not on every sync: the others are waiting
         # the hash of what the model now holds, recomputed from its parameters (not the cached snapshot)
         params = copy_params_to_flat(self.model.parameters(), torch.empty(self.numel, dtype=torch.float32))
         loaded_hash = state_hash(self.outer.round, params, self.outer.momentum, self.outer.parent, self.outer.link)
