@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import hashlib
 import json
 import logging
 import os
-import re
 import select
 import signal
 import statistics
@@ -57,6 +55,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.netns import Netns, parse_rate
+from bench.peers import _die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20240611
@@ -72,15 +73,6 @@ HEARTBEAT_TIMEOUT = 60.0  # seconds for the joiner to see every donor's heartbea
 
 def numel_for(size_mb: float) -> int:
     return max(1, int(size_mb * MB / 8))
-
-
-def parse_rate(text: str) -> float:
-    """``100mbit`` -> bits per second (tc's units: kbit, mbit, gbit, or plain bit/s)."""
-    t = text.strip().lower()
-    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
-        if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * mult
-    return float(t)
 
 
 def spec_hash_for(run_key: str) -> str:
@@ -280,11 +272,6 @@ def _phases(trace: list[tuple[str, int, float, float]], t0: float, t1: float) ->
 # ---- orchestration: processes ---------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # in the child between fork and exec: SIGKILL when we die
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; kept across exec of the non-setuid `ip`
-
-
 class Proc:
     """A bench peer in its own process group, logging to a file; stopped by ``stop()``."""
 
@@ -330,93 +317,6 @@ def _wait_info(proc: Proc, path: Path, deadline: float) -> dict[str, Any]:
 # ---- orchestration: network namespaces -----------------------------------------------------------------
 
 
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, timeout=10)
-
-
-class Netns:
-    """N donor namespaces (egress capped with tbf) + 1 joiner namespace on one bridge; ``down()`` removes all."""
-
-    def __init__(self, n_donors: int, rate: str):
-        tag = os.getpid()
-        self.rate = rate
-        self.bridge = f"hj{tag}br"
-        self.names = [f"hj{tag}d{i}" for i in range(n_donors)] + [f"hj{tag}j"]
-        self.addrs = [f"10.79.{tag % 250}.{i + 1}" for i in range(n_donors + 1)]
-        self.created: list[str] = []
-
-    @staticmethod
-    def remove_stale() -> list[str]:
-        """Deletes namespaces left by an earlier bench run that was SIGKILLed (its pid is gone, nothing inside)."""
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-        removed = []
-        for name in (line.split()[0] for line in out.splitlines() if line.strip()):
-            m = re.fullmatch(r"hj(\d+)(br|d\d+|j|probe)", name)
-            if m is None or os.path.exists(f"/proc/{m.group(1)}"):
-                continue
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10).stdout
-            if not pids.split():
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-                removed.append(name)
-        return removed
-
-    @staticmethod
-    def available() -> str | None:
-        """None if namespaces, veths and tbf can be made here, else why not."""
-        probe = f"hj{os.getpid()}probe"
-        try:
-            _sh("ip", "netns", "add", probe)
-        except (OSError, subprocess.SubprocessError) as e:
-            err = getattr(e, "stderr", b"") or b""
-            return f"cannot create network namespaces here ({e}; {err.decode(errors='replace').strip()})"
-        try:
-            _sh("ip", "-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "a1")
-            _sh("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "a0", "root", "tbf", "rate", "1mbit",
-                "burst", "32768", "latency", "50ms")
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"cannot create veth pairs or tbf qdiscs here ({e})"
-        finally:
-            subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-        return None
-
-    def _add(self, ns: str) -> None:
-        _sh("ip", "netns", "add", ns)
-        self.created.append(ns)
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-
-    def up(self) -> Netns:
-        self._add(self.bridge)
-        _sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
-        rate_bps = parse_rate(self.rate)
-        for i, (ns, addr) in enumerate(zip(self.names, self.addrs, strict=True)):
-            self._add(ns)
-            _sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"vp{i}")
-            _sh("ip", "-n", ns, "link", "set", f"vp{i}", "netns", self.bridge)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", self.bridge, "link", "set", f"vp{i}", "master", "br0")
-            _sh("ip", "-n", self.bridge, "link", "set", f"vp{i}", "up")
-            if ns != self.names[-1]:  # donors: upload capped; the joiner is uncapped
-                burst = max(32768, int(rate_bps / 8 / 100))  # 10 ms at the rate, at least 32 KiB
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                    "rate", self.rate, "burst", str(burst), "latency", "50ms")
-        return self
-
-    def prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i]]
-
-    def down(self) -> None:
-        for ns in reversed(self.created):
-            # processes we started there were killed by the caller; make sure nothing is left inside
-            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
-            for pid in out.stdout.split():
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        self.created.clear()
-
-
 # ---- orchestration: one setting ----------------------------------------------------------------------
 
 
@@ -427,7 +327,7 @@ def run_setting(setting: str, args: argparse.Namespace, workdir: Path) -> list[d
     n = max(args.donor_counts)
     numel = numel_for(args.size_mb)
     run_key = make_run_key(RUN_NAME, Identity.generate().public_key)  # a throwaway owner
-    net = Netns(n, args.rate) if setting == "netns" else None
+    net = Netns(n + 1) if setting == "netns" else None  # n donors, then the joiner
     procs: list[Proc] = []
     extra = [*(["--piece-kib", str(args.piece_kib)] if args.piece_kib else []),
              *(["--per-donor", str(args.per_donor)] if args.per_donor else [])]
@@ -438,6 +338,8 @@ def run_setting(setting: str, args: argparse.Namespace, workdir: Path) -> list[d
     try:
         if net is not None:
             net.up()
+            for i in range(n):  # donors: upload capped; the joiner (the last one) is uncapped
+                net.shape(i, args.rate, burst_floor=32768)
         hosts = net.addrs if net is not None else ["127.0.0.1"] * (n + 1)
 
         def donor(i: int, initial: list[str]) -> tuple[Proc, Path]:

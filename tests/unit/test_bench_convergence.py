@@ -19,7 +19,7 @@ from bench.convergence import (
 )
 from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer.config import ModelConfig, RunSpec
-from hivetrain.peer.train.data import Corpus, ShardSampler, split_documents
+from hivetrain.peer.train.data import Corpus, ShardSampler
 from hivetrain.peer.train.diloco import copy_params_to_flat, flat_numel
 from hivetrain.peer.train.loop import ring_allreduce_bytes
 from hivetrain.peer.train.model import build_model
@@ -105,12 +105,6 @@ def test_ddp_step_clips_the_mean_gradient() -> None:
 
 # ---- DiLoCo wiring on a tiny Llama and a synthetic corpus --------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    gen = torch.Generator().manual_seed(0)
-    docs = [bytes(torch.randint(97, 123, (300,), generator=gen).tolist()) for _ in range(20)]
-    return split_documents(docs, "synthetic", min_tokens=64)
 
 
 def _spec(**overrides: object) -> RunSpec:

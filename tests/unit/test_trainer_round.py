@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from hivetrain.peer.averaging.api import AverageResult, Finished, begin_now
-from hivetrain.peer.config import ModelConfig, RunSpec
+from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.train.data import Corpus, split_documents
+from hivetrain.peer.train.data import Corpus
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
 from hivetrain.peer.trust import Trust
 
-TINY = ModelConfig(256, 16, 1, 2, 32, 16)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    gen = torch.Generator().manual_seed(0)
-    docs = [bytes(torch.randint(97, 123, (300,), generator=gen).tolist()) for _ in range(20)]
-    return split_documents(docs, "synthetic", min_tokens=64)
+from .conftest import TINY
 
 
 class Recorder:
