@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default none: synchronous)")
     spec.add_argument("--eval-every", type=int, help="rounds between held-out evaluations (default 10)")
     spec.add_argument("--allreduce-timeout", type=float, help="seconds: deadline of one all-reduce")
+    spec.add_argument("--piece-values", type=int,
+                      help="values per piece of the pipelined all-reduce (default 2097152)")
     spec.add_argument("--batch-size", type=int)
     spec.add_argument("--seq-len", type=int)
     peer = start.add_argument_group("this peer")
@@ -125,7 +127,7 @@ def _stop_on_sigterm() -> None:
 
 SPEC_FLAGS = ("sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
               "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
-              "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every")
+              "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every", "piece_values")
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from hivetrain.peer.errors import ConfigError
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")
 OVERLAPS = ("none", "delayed", "eager")
-SPEC_VERSION = 3  # 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 4  # 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -116,6 +116,9 @@ class RunSpec:
     # (the grace a straggler gets); a peer nobody waits for closes its window at once
     matchmaking_timeout: float = 5.0
     allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
+    # values per piece of the all-reduce: each member's shard is cut into pieces of about this size that
+    # are sent, reduced, audited and returned one after another, so the reduce hides behind the transfer
+    piece_values: int = 1 << 21
     init_seed: int = 0
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
     error_feedback: bool = False  # send this round's quantization residual with the next round's part
@@ -153,6 +156,7 @@ class RunSpec:
         _check_int("spec", "min_group_size", self.min_group_size, 1, self.target_group_size)
         _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)
         _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
+        _check_int("spec", "piece_values", self.piece_values, 1024, 1 << 30)
         _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
         if not isinstance(self.error_feedback, bool):
             raise ConfigError("spec.error_feedback must be true or false")

@@ -1,13 +1,15 @@
 """One round's audited all-reduce for one group: reduce-scatter, all-gather, audit, agreement.
 
-For a decided group ``order`` (n members) of round r, every member:
+For a decided group ``order`` (n members) of round r, the vector is cut into n x P shards (pieces
+of about the run's ``piece_values``; peer/averaging/session.py). Every member:
 
-1. encodes its slice of shard k and sends it to member k (the reducer) and to member k + 1 mod n
-   (the auditor of shard k, when the run audits);
-2. as reducer of its shard, validates and combines the parts (peer/averaging/reduce.py) and sends
-   the re-encoded result, with the digests of the parts it used, signed, to every member;
-3. as auditor of the shard before its own, recomputes it from its own copies of the parts and
-   sends its signed verdict, with the hash of the result it checked, to every member;
+1. encodes its slice of every shard k and sends it to member k mod n (the reducer) and to member
+   k + 1 mod n (the auditor of shard k, when the run audits), in shard order;
+2. as reducer, as soon as all parts of one of its shards are in, validates and combines them
+   (peer/averaging/reduce.py) and sends the re-encoded result, with the digests of the parts it
+   used, signed, to every member, while the later shards still stream;
+3. as auditor, recomputes each shard it audits from its own copies of the parts as soon as they
+   are in, and sends its signed verdict, with the hash of the result it checked, to every member;
 4. checks any "wrong aggregate" accusation itself on the auditor's evidence (peer/averaging/disputes.py);
 5. applies each shard whose verdict is positive and whose result is the one the auditor checked; a
    shard its auditor rejects is void (those parameters and their momentum keep their values);
@@ -21,10 +23,12 @@ A member that fails anywhere raises RoundFailed at the deadline at the latest, l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,7 @@ import torch
 from hivetrain.kernels.errors import CodecError
 from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.delivery import send_all
+from hivetrain.peer.averaging.delivery import Outbox, send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
     Finding,
@@ -76,15 +80,14 @@ class AllReduceRunner:
     def __init__(self, ctx: PeerContext, session: RoundSession):
         self.ctx, self.session = ctx, session
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
-        self._ahead: asyncio.Future[tuple[list[str], list[str], Shard] | None] | None = None  # audit head start
+        self.claims: list[str] = []  # the members we put on probation this round
+        self.outbox = Outbox(ctx, session.round, session.deadline)  # our messages of the round, per member in order
 
     async def run(self, delta: torch.Tensor) -> Outcome:
         s, ctx = self.session, self.ctx
         try:
             outcome = await self._run(delta)
         except RoundFailed as e:
-            if self._ahead is not None:
-                self._ahead.cancel()
             if ctx.ef is not None:
                 ctx.ef.discard()
             self._punish()
@@ -111,32 +114,25 @@ class AllReduceRunner:
 
     async def _run(self, delta: torch.Tensor) -> Outcome:
         s, ctx = self.session, self.ctx
-        r, n = s.round, s.n
+        r = s.round
         parts = await asyncio.to_thread(self._encode, delta)
         parts = ctx.behaviour.parts(r, parts, delta, s.bounds, ctx.codec)
-        s.shards[s.mine].parts[ctx.me] = parts[s.mine]
-        sends = [(s.order[k], k, parts[k]) for k in range(n) if k != s.mine]
-        if s.audited is not None:
-            s.shards[s.audited].parts[ctx.me] = parts[s.audited]
-            sends += [(s.order[(k + 1) % n], k, parts[k]) for k in range(n) if (k + 1) % n != s.mine]
+        for k in (*s.mine, *s.audited):
+            s.shards[k].parts[ctx.me] = parts[k]
+        self.claims = self._claims()
         ctx.behaviour.at("before_parts", r)
-        await self._send_all([(peer, self._header("part", k, digest=digest(body)), body)
-                              for peer, k, body in sends], strict=True)
-        ctx.behaviour.at("after_parts", r)
-
-        await s.wait_for(lambda: s.has_parts(s.mine), s.deadline, f"parts of shard {s.mine}")
-        if s.audited is not None:  # the audit's recompute runs next to our reduce (two cores), not after it
-            self._ahead = asyncio.ensure_future(self._recompute_ahead(s.audited))
-        await self._reduce()
-        ctx.behaviour.at("before_results", r)
-        await self._send_results()
-        await s.wait_for(lambda: all(sh.result is not None for sh in s.shards), s.deadline, "results of every shard")
-        if s.audited is not None:
-            await self._audit(s.audited)
-            await s.wait_for(lambda: all(sh.verdict is not None for sh in s.shards), s.deadline,
-                             "audit verdicts of every shard")
+        for k in range(s.units):  # in shard order: every member sends its part of shard 0 first, then 1, ...
+            header = self._header("part", k, digest=digest(parts[k]))
+            for peer in (s.reducer(k), s.auditor(k)):
+                if peer is not None and peer != ctx.me:
+                    self.outbox.put(peer, header, parts[k], strict=True)
+        try:
+            await self._unless_broken(self._pipeline())
+        except BaseException:
+            self.outbox.stop()
+            raise
         averaged, applied, voids, conflict = self._gather()
-        if s.audited is not None:
+        if s.audit:
             for peer, why in (await settle_accusations(ctx, s)).items():
                 self._convict(peer, why, first=False)  # the settled verdict replaces the accusation
         digest_hex = applied_digest(s.group, applied)
@@ -144,6 +140,38 @@ class AllReduceRunner:
         if conflict:
             raise RoundFailed(conflict)
         return Outcome(averaged, digest_hex, self.excluded, voids)
+
+    async def _pipeline(self) -> None:
+        """Reduces our shards and audits our audited ones, each as soon as its parts are in, while
+        the rest still streams; then waits for every result and verdict and for our sends."""
+        s = self.session
+        await first_failure(self._parts_delivered(), self._reduce_all(), self._audit_all())
+        await s.wait_for(lambda: all(sh.result is not None for sh in s.shards), s.deadline, "results of every shard")
+        if s.audit:
+            await s.wait_for(lambda: all(sh.verdict is not None for sh in s.shards), s.deadline,
+                             "audit verdicts of every shard")
+        await self.outbox.flush()
+
+    async def _unless_broken(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs ``work``; fails the round as soon as one of our parts cannot be delivered."""
+        task = asyncio.ensure_future(work)
+        broken = asyncio.ensure_future(self.outbox.broken.wait())
+        try:
+            await asyncio.wait({task, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if self.outbox.error is None:  # then ``work`` is done
+                return task.result()
+        finally:
+            broken.cancel()
+            if not task.done():
+                task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise self.outbox.error
+
+    async def _parts_delivered(self) -> None:
+        await self.outbox.strict_done.wait()
+        if self.outbox.error is None:
+            self.ctx.behaviour.at("after_parts", self.session.round)
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -163,87 +191,85 @@ class AllReduceRunner:
         return ShardInputs(dict(shard.parts), dict(shard.invalid), s.order, end - start, self.ctx.codec,
                            self.ctx.spec.aggregation)
 
-    async def _reduce(self) -> None:
+    async def _reduce_all(self) -> None:
         s, ctx = self.session, self.ctx
-        out = await asyncio.to_thread(reduce_shard, self._inputs(s.mine), self._claims())
-        for peer, why in out.excluded.items():  # invalid parts and outliers, seen by us: never grouped again
-            self._convict(peer, why, first=False)
-        mine = s.shards[s.mine]
-        mine.result, mine.result_hash = out.result, hashlib.sha256(out.result).hexdigest()
-        mine.commits, mine.claims, mine.excluded = out.digests, out.probation, sorted(out.excluded)
-        commit = commitment(mine.commits, mine.claims, mine.excluded)
-        mine.result_sig = sign_result(ctx.identity, s.where(s.mine), bytes.fromhex(mine.result_hash), commit)
+        for i, k in enumerate(s.mine):
+            await s.wait_for(lambda k=k: s.has_parts(k), s.deadline, f"parts of shard {k}")  # type: ignore[misc]
+            out = await asyncio.to_thread(reduce_shard, self._inputs(k), self.claims)
+            for peer, why in out.excluded.items():  # invalid parts and outliers, seen by us: never grouped again
+                self._convict(peer, why, first=False)
+            shard = s.shards[k]
+            shard.result, shard.result_hash = out.result, hashlib.sha256(out.result).hexdigest()
+            shard.commits, shard.claims, shard.excluded = out.digests, out.probation, sorted(out.excluded)
+            commit = commitment(shard.commits, shard.claims, shard.excluded)
+            shard.result_sig = sign_result(ctx.identity, s.where(k), bytes.fromhex(shard.result_hash), commit)
+            s.arrived.set()
+            if i == 0:
+                ctx.behaviour.at("before_results", s.round)
+            self._send_result(k)
 
-    async def _send_results(self) -> None:
+    def _send_result(self, k: int) -> None:
         s, ctx = self.session, self.ctx
-        mine = s.shards[s.mine]
-        assert mine.result is not None
-        start, end = s.bounds[s.mine]
-        commit = commitment(mine.commits, mine.claims, mine.excluded)
-        sends = []
+        shard = s.shards[k]
+        assert shard.result is not None
+        start, end = s.bounds[k]
+        commit = commitment(shard.commits, shard.claims, shard.excluded)
         for peer in s.order:
             if peer == ctx.me:
                 continue
-            body = ctx.behaviour.result_for(s.round, s.mine, peer, mine.result, end - start, ctx.codec)
+            body = ctx.behaviour.result_for(s.round, k, peer, shard.result, end - start, ctx.codec)
             result_hash = hashlib.sha256(body).digest()
-            sig = mine.result_sig if body == mine.result else sign_result(ctx.identity, s.where(s.mine), result_hash,
-                                                                          commit)
-            sends.append((peer, self._header("result", s.mine, result=result_hash.hex(), parts=mine.commits,
-                                             probation=mine.claims, excluded=mine.excluded, sig=sig.hex()), body))
-        await self._send_all(sends, strict=False)
+            sig = shard.result_sig if body == shard.result else sign_result(ctx.identity, s.where(k), result_hash,
+                                                                            commit)
+            self.outbox.put(peer, self._header("result", k, result=result_hash.hex(), parts=shard.commits,
+                                               probation=shard.claims, excluded=shard.excluded, sig=sig.hex()),
+                            body, strict=False)
 
     def _claims(self) -> list[str]:
         s, ctx = self.session, self.ctx
         newcomers = {p for p in s.order if p != ctx.me and ctx.trust.on_probation(p, s.round)}
         return probation_claims(s.order, newcomers)
 
-    async def _recompute_ahead(self, k: int) -> tuple[list[str], list[str], Shard] | None:
-        """Shard ``k``'s reduce as its auditor, as soon as our copies of its parts are in and before
-        its result arrives, with the probation we would claim ourselves (the reducer's claims are
-        its own; they almost always agree). Returns (claims, part digests, shard), or None."""
-        s = self.session
-        try:
-            await s.wait_for(lambda: s.has_parts(k), s.deadline - AUDIT_GRACE * self.ctx.spec.allreduce_timeout,
-                             "audit copies")
-            inputs = self._inputs(k)
-            claims = self._claims()
-            digests = part_digests(inputs.received, inputs.invalid, inputs.order)
-            return claims, digests, await asyncio.to_thread(reduce_shard, inputs, claims, digests)
-        except Exception:  # no copies in time, or no majority: the audit decides without a head start
-            return None
+    async def _audit_all(self) -> None:
+        for k in self.session.audited:
+            await self._audit(k)
 
     async def _audit(self, k: int) -> None:
-        """Checks shard ``k`` of ``order[k]`` and tells every member the verdict."""
+        """Checks shard ``k`` of ``reducer(k)`` and tells every member the verdict. Our recompute
+        starts as soon as our copies of its parts are in, before its result arrives, with the
+        probation we would claim ourselves (the reducer's claims are its own; they almost always agree)."""
         s, ctx = self.session, self.ctx
+        shard = s.shards[k]
         grace = AUDIT_GRACE * ctx.spec.allreduce_timeout
         try:  # a member may withhold our copy: then the shard is unverifiable, not the round lost
-            await s.wait_for(lambda: s.has_parts(k), s.deadline - grace, "audit copies")
+            await s.wait_for(lambda: s.has_parts(k), s.deadline - grace, f"audit copies of shard {k}")
         except RoundFailed:
             pass
-        shard = s.shards[k]
-        assert shard.result is not None
         missing = [p for p in s.order if p not in shard.parts and p not in shard.invalid]
+        inputs = self._inputs(k)
+        digests = part_digests(inputs.received, inputs.invalid, inputs.order)
+        ahead: Shard | None = None
+        if not missing:
+            try:
+                ahead = await asyncio.to_thread(reduce_shard, inputs, self.claims, digests)
+            except RoundFailed:  # no majority: the audit decides without a head start
+                ahead = None
+        await s.wait_for(lambda: shard.result is not None, s.deadline, f"result of shard {k}")
+        assert shard.result is not None
         finding: Finding | None
         if missing:
             finding = Finding(FindingKind.UNVERIFIABLE, reason(f"no part from {', '.join(missing)} reached us"))
         else:
-            inputs = self._inputs(k)
-            ahead = await self._ahead if self._ahead is not None else None
-            recomputed = None
-            if ahead is not None:
-                claims, digests, done = ahead
-                # only if it reduced exactly what the audit checks: the same parts, the reducer's claims
-                if (list(shard.claims) == claims and list(shard.commits) == digests
-                        and part_digests(inputs.received, inputs.invalid, inputs.order) == digests):
-                    recomputed = done
+            # the head start counts only if it reduced exactly what the audit checks: the same parts, the same claims
+            same = list(shard.claims) == self.claims and list(shard.commits) == digests
             finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, inputs, shard.claims,
-                                              recomputed)
+                                              ahead if same else None)
         finding = ctx.behaviour.finding(s.round, k, finding)
         if finding is not None:
-            logger.warning("round %d: audit of shard %d (reducer %s): %s: %s", s.round, k, s.order[k],
+            logger.warning("round %d: audit of shard %d (reducer %s): %s: %s", s.round, k, s.reducer(k),
                            finding.kind.value, finding.reason)
             if finding.kind is FindingKind.WRONG_AGGREGATE:
-                ctx.bans.ban(s.order[k], f"round {s.round}: {finding.kind.value}: {finding.reason}")
+                ctx.bans.ban(s.reducer(k), f"round {s.round}: {finding.kind.value}: {finding.reason}")
                 shard.evidence = [shard.parts.get(p, b"") for p in s.order]
         ok = finding is None
         why = "" if finding is None else reason(f"{finding.kind.value}: {finding.reason}")
@@ -251,15 +277,14 @@ class AllReduceRunner:
         result_hash = bytes.fromhex(shard.result_hash)
         shard.verdict = Verdict(ok, shard.result_hash, code, why,
                                 sign_verdict(ctx.identity, s.where(k), ok, result_hash))
-        sends = []
+        s.arrived.set()
         for peer in s.order:
             if peer == ctx.me:
                 continue
             said = ctx.behaviour.verdict_for(s.round, k, peer, ok)
             sig = shard.verdict.sig if said == ok else sign_verdict(ctx.identity, s.where(k), said, result_hash)
-            sends.append((peer, self._header("audit", k, ok=said, result=shard.result_hash, finding=code,
-                                             reason=why, sig=sig.hex()), b""))
-        await self._send_all(sends, strict=False)
+            self.outbox.put(peer, self._header("audit", k, ok=said, result=shard.result_hash, finding=code,
+                                               reason=why, sig=sig.hex()), b"", strict=False)
 
     def _gather(self) -> tuple[torch.Tensor, list[bytes | None], list[tuple[int, int]], str]:
         """Decodes every shard's result into one vector, applying the verdicts (see the module doc).
@@ -277,23 +302,23 @@ class AllReduceRunner:
                 averaged[start:end] = 0.0
                 voids.append((start, end))
                 applied.append(None)
-                self.excluded.setdefault(s.order[k], reason(f"shard {k} void: its auditor {s.auditor(k)} found it "
+                self.excluded.setdefault(s.reducer(k), reason(f"shard {k} void: its auditor {s.auditor(k)} found it "
                                                             f"{verdict.reason}"))
                 continue
             if verdict is not None and verdict.result_hash != shard.result_hash:
-                conflict = conflict or f"our result of shard {k} from {s.order[k]} is not the one its auditor checked"
+                conflict = conflict or f"our result of shard {k} from {s.reducer(k)} is not the one its auditor checked"
             try:
                 averaged[start:end] = codec.decode(shard.result, end - start)
             except CodecError as err:
-                raise RoundFailed(f"the result of shard {k} from {s.order[k]} is malformed: {err}") from None
+                raise RoundFailed(f"the result of shard {k} from {s.reducer(k)} is malformed: {err}") from None
             applied.append(bytes.fromhex(shard.result_hash))
-        if len(voids) == s.n:
+        if len(voids) == s.units:
             raise RoundFailed("every shard of the round failed its audit", dict(self.excluded))
         for k, shard in enumerate(s.shards):
             for p in shard.claims:
                 self.excluded.setdefault(p, f"on probation (weight 0) in shard {k}")
             for p in shard.excluded:
-                self.excluded.setdefault(p, f"left out of shard {k} by {s.order[k]}")
+                self.excluded.setdefault(p, f"left out of shard {k} by {s.reducer(k)}")
         return averaged, applied, voids, conflict
 
     # ---- agreement after the round ------------------------------------------------------------
@@ -333,3 +358,17 @@ class AllReduceRunner:
 
     async def _send_all(self, sends: list[tuple[str, dict[str, Any], bytes]], strict: bool) -> None:
         await send_all(self.ctx, self.session.round, self.session.deadline, sends, strict)
+
+
+async def first_failure(*work: Coroutine[Any, Any, None]) -> None:
+    """Runs ``work`` concurrently; the first to raise cancels the others and its error is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
-from hivetrain.peer.averaging.api import AverageResult
+from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
 from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard
@@ -148,7 +148,8 @@ class P2PAverager:
             t1 = time.monotonic()
             ctx.behaviour.at("after_matchmaking", round_)
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
-                                   ctx.spec.audit, time.monotonic() + ctx.spec.allreduce_timeout)
+                                   ctx.spec.audit, time.monotonic() + ctx.spec.allreduce_timeout,
+                                   ctx.spec.piece_values)
             self.sessions[round_] = session
             self._mark_replays(session)
             outcome = await AllReduceRunner(ctx, session).run(delta)
@@ -179,8 +180,7 @@ class P2PAverager:
         """Leaves out at once, in the shards we reduce or audit, members that sent old parts this round."""
         for peer, why in self.replayed.items():
             if peer in session.order and peer != self.ctx.me:
-                for k in {session.mine, session.audited} - {None}:
-                    assert k is not None
+                for k in (*session.mine, *session.audited):
                     if peer not in session.shards[k].parts:
                         session.shards[k].invalid.setdefault(peer, why)
         session.arrived.set()
@@ -190,8 +190,8 @@ class P2PAverager:
     @property
     def max_body(self) -> int:
         """The largest body any message can have: one whole encoded vector (a group of one), or the
-        statements of a group of MAX_GROUP."""
-        return max(self.ctx.codec.encoded_nbytes(self.ctx.numel), MAX_GROUP * STATEMENT_LEN)
+        statements of a round's MAX_PIECES shards."""
+        return max(self.ctx.codec.encoded_nbytes(self.ctx.numel), MAX_PIECES * STATEMENT_LEN)
 
     def is_member(self, peer: str) -> bool:
         session = self.sessions.get(self.current_round)

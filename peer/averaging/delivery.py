@@ -13,6 +13,7 @@ from hivetrain.peer.net.link import request
 from hivetrain.peer.net.wire import Code, reason
 
 logger = logging.getLogger(__name__)
+STREAMS_PER_PEER = 2  # messages in flight to one member at once: the next one starts while a body streams
 SEND_ATTEMPTS = 3  # deliveries of one message that fail in transport, within the deadline
 RETRY_PAUSE = (0.05, 0.3)  # seconds: first and longest pause before sending again to a peer not ready yet
 
@@ -55,3 +56,60 @@ async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str
             continue
         name = Code(code).name if code in Code._value2member_map_ else str(code)
         raise RoundFailed(reason(f"{peer} refused our {kind}: {name} {reply.get('reason', '')}"))
+
+
+class Outbox:
+    """Delivers a round's messages to each member in the order they were put, at most
+    STREAMS_PER_PEER at a time per member, to all members at once. Results and verdicts are put
+    while parts still stream, so they queue behind the parts already put for the same member.
+
+    A ``strict`` message that cannot be delivered breaks the outbox (``error``, ``broken``); the
+    round fails. Other failures are logged (a member that misses our message voids its own round).
+    """
+
+    def __init__(self, ctx: PeerContext, round_: int, deadline: float):
+        self.ctx, self.round, self.deadline = ctx, round_, deadline
+        self.queues: dict[str, asyncio.Queue[tuple[dict[str, Any], bytes, bool] | None]] = {}
+        self.workers: list[asyncio.Task[None]] = []
+        self.error: RoundFailed | None = None
+        self.broken = asyncio.Event()
+        self.strict_left = 0  # strict messages not delivered yet
+        self.strict_done = asyncio.Event()
+        self.strict_done.set()
+
+    def put(self, peer: str, header: dict[str, Any], body: bytes, strict: bool) -> None:
+        queue = self.queues.get(peer)
+        if queue is None:
+            queue = self.queues[peer] = asyncio.Queue()
+            self.workers += [asyncio.ensure_future(self._work(peer, queue)) for _ in range(STREAMS_PER_PEER)]
+        if strict:
+            self.strict_left += 1
+            self.strict_done.clear()
+        queue.put_nowait((header, body, strict))
+
+    async def _work(self, peer: str, queue: asyncio.Queue[tuple[dict[str, Any], bytes, bool] | None]) -> None:
+        while (item := await queue.get()) is not None:
+            header, body, strict = item
+            try:
+                await deliver(self.ctx, self.deadline, peer, header, body)
+            except RoundFailed as e:
+                if not strict:
+                    logger.info("round %d: delivery failed: %r", self.round, e)
+                elif self.error is None:
+                    self.error = e
+                    self.broken.set()
+            if strict:
+                self.strict_left -= 1
+                if self.strict_left == 0:
+                    self.strict_done.set()
+
+    async def flush(self) -> None:
+        """Waits until everything put so far is delivered (or failed); the outbox takes no more."""
+        for queue in self.queues.values():
+            for _ in range(STREAMS_PER_PEER):
+                queue.put_nowait(None)
+        await asyncio.gather(*self.workers, return_exceptions=True)
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.cancel()

@@ -1,5 +1,9 @@
 """One round's all-reduce state for one group we derived: ``RoundSession``, with one ``ShardState`` per shard.
 
+The vector is cut into n x P contiguous shards ("pieces", P per member, sized by the run's
+``piece_values``): member k of the group order reduces shard j when j mod n = k, and audits it
+when j mod n = k + 1. Every slot below is per shard.
+
 A session exists only for a group this peer decided itself (peer/averaging/matchmaking.py), so
 every message it accepts comes from a member, and each slot takes one message from the one member
 whose role it is:
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hivetrain.kernels.int8 import Codec
-from hivetrain.peer.averaging.api import group_hash, shard_bounds
+from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
     STATEMENT_LEN,
@@ -86,15 +90,19 @@ class Intake:
 
 class RoundSession:
     def __init__(self, run: str, round_: int, base: str, order: tuple[str, ...], me: str, numel: int,
-                 codec: Codec, audits: bool, deadline: float):
+                 codec: Codec, audits: bool, deadline: float, piece_values: int | None = None):
         self.run, self.round, self.base, self.order, self.me = run, round_, base, order, me
         self.codec, self.numel, self.deadline = codec, numel, deadline
         self.group = group_hash(order, round_, base)
         self.n = len(order)
-        self.bounds = shard_bounds(numel, self.n)
-        self.mine = order.index(me)
-        self.audited = (self.mine - 1) % self.n if audits and self.n >= 2 else None
-        self.shards = [ShardState() for _ in range(self.n)]
+        self.pieces = pieces_per_member(numel, self.n, piece_values) if piece_values else 1
+        self.units = self.n * self.pieces  # shards of the round
+        self.bounds = shard_bounds(numel, self.units)
+        self.index = order.index(me)
+        self.audit = audits and self.n >= 2
+        self.mine = [k for k in range(self.units) if k % self.n == self.index]  # shards we reduce
+        self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
+        self.shards = [ShardState() for _ in range(self.units)]
         self.applied: dict[str, tuple[str, list[Statement]]] = {}  # member -> (digest, its statements)
         self.reading: set[tuple[Any, ...]] = set()
         self.culprits: dict[str, str] = {}  # members caught breaking the protocol in this session -> why
@@ -103,10 +111,10 @@ class RoundSession:
     # ---- roles and sizes ------------------------------------------------------------------------
 
     def reducer(self, k: int) -> str:
-        return self.order[k]
+        return self.order[k % self.n]
 
     def auditor(self, k: int) -> str | None:
-        return self.order[(k + 1) % self.n] if self.audited is not None else None
+        return self.order[(k + 1) % self.n] if self.audit else None
 
     def shard_nbytes(self, k: int) -> int:
         start, end = self.bounds[k]
@@ -126,8 +134,8 @@ class RoundSession:
         kind = header["type"]
         if sender not in self.order or sender == self.me:
             return Code.NOT_MEMBER, "not a member of this group"
-        if kind != "evidence_req" and "shard" in header and header["shard"] >= self.n:
-            return self._convict(sender, Code.MALFORMED, f"shard {header['shard']} in a group of {self.n}")
+        if kind != "evidence_req" and "shard" in header and header["shard"] >= self.units:
+            return self._convict(sender, Code.MALFORMED, f"shard {header['shard']} of {self.units}")
         check = {"part": self._admit_part, "result": self._admit_result, "audit": self._admit_verdict,
                  "applied": self._admit_applied}.get(kind)
         if check is None:
@@ -143,7 +151,7 @@ class RoundSession:
 
     def _admit_part(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
         k = header["shard"]
-        if k not in (self.mine, self.audited):
+        if self.reducer(k) != self.me and self.auditor(k) != self.me:
             return Code.WRONG_ROLE, f"we neither reduce nor audit shard {k}"
         shard = self.shards[k]
         if sender in shard.parts:
@@ -163,7 +171,7 @@ class RoundSession:
         k = header["shard"]
         if sender != self.reducer(k):
             return self._convict(sender, Code.WRONG_ROLE, f"sent a result of shard {k}, which it does not reduce")
-        if k == self.mine:
+        if self.reducer(k) == self.me:
             return Code.WRONG_ROLE, "we reduce that shard ourselves"
         shard = self.shards[k]
         if shard.result is not None:
@@ -185,9 +193,9 @@ class RoundSession:
 
     def _admit_verdict(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
         k = header["shard"]
-        if self.audited is None or sender != self.auditor(k):
+        if not self.audit or sender != self.auditor(k):
             return self._convict(sender, Code.WRONG_ROLE, f"sent a verdict on shard {k}, which it does not audit")
-        if k == self.audited:
+        if self.auditor(k) == self.me:
             return Code.WRONG_ROLE, "we audit that shard ourselves"
         if body_len:
             return Code.WRONG_SIZE, "a verdict has no body"
@@ -206,8 +214,8 @@ class RoundSession:
             if self.applied[sender][0] == header["digest"]:
                 return Code.DUPLICATE, ""
             return self._convict(sender, Code.EQUIVOCATION, "reported two different applied digests")
-        if body_len != self.n * STATEMENT_LEN:
-            return Code.WRONG_SIZE, f"{body_len} bytes of statements for a group of {self.n}"
+        if body_len != self.units * STATEMENT_LEN:
+            return Code.WRONG_SIZE, f"{body_len} bytes of statements for {self.units} shards"
         return None
 
     # ---- deposit (with the body) --------------------------------------------------------------
@@ -233,7 +241,7 @@ class RoundSession:
                                              bytes.fromhex(header["sig"]))
         elif kind == "applied":
             try:
-                self.applied[sender] = (header["digest"], unpack_all(body, self.n))
+                self.applied[sender] = (header["digest"], unpack_all(body, self.units))
             except ValueError as e:
                 return self._convict(sender, Code.MALFORMED, f"malformed statements: {e}")
         self.arrived.set()
@@ -244,7 +252,7 @@ class RoundSession:
         if sender not in self.order:
             return Code.NOT_MEMBER, b""
         k, index = header["shard"], header["index"]
-        parts = self.shards[k].evidence if k < self.n else None
+        parts = self.shards[k].evidence if k < self.units else None
         if parts is None or index >= len(parts) or not parts[index]:
             return Code.NO_EVIDENCE, b""
         return Code.OK, parts[index]
@@ -268,9 +276,9 @@ class RoundSession:
                 pass
 
     def bound(self) -> int:
-        """The most bytes of peer input a session can hold: two shards' parts from every member, every
-        shard's result, and every member's statements."""
-        return 3 * sum(self.shard_nbytes(k) for k in range(self.n)) + self.n * self.n * STATEMENT_LEN
+        """The most bytes of peer input a session can hold: the parts of the shards we reduce and
+        audit from every member, every shard's result, and every member's statements."""
+        return 3 * sum(self.shard_nbytes(k) for k in range(self.units)) + self.n * self.units * STATEMENT_LEN
 
     def held_bytes(self) -> int:
         """Bytes of peer input this session holds (parts, results, evidence): bounded by its group."""

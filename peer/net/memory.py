@@ -2,41 +2,94 @@
 
 The same request/reply code (peer/net/link.py) and the same services run over it as over libp2p,
 so protocol tests and simulations exercise exactly what peers run, in milliseconds. The network
-can cut a peer off, delay its traffic, or give it an address (for the per-prefix Sybil cap), to
-inject faults from outside the protocol code.
+can cut a peer off, delay its traffic, cap its uplink (bytes/s shared by all its streams, like a
+tbf-shaped link), or give it an address (for the per-prefix Sybil cap), to inject faults from
+outside the protocol code.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivetrain.peer.net.link import Server
 
+SLICE = 16384  # bytes a capped uplink carries of one stream before the next stream's turn
+
+
+class _Uplink:
+    """A sender's capped uplink: its streams take turns, SLICE bytes at a time (fair queuing, as
+    Linux's default fq_codel shares a link), at ``rate`` bytes/s in all."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.queues: dict[_PipeWriter, deque[bytes | None]] = {}  # in turn order; None: end of stream
+        self.pump: asyncio.Task[None] | None = None
+        self.clock = 0.0  # loop time the uplink is free again
+
+    def put(self, writer: _PipeWriter, data: bytes | None) -> None:
+        queue = self.queues.setdefault(writer, deque())
+        if data is None:
+            queue.append(None)
+        else:
+            queue.extend(data[i:i + SLICE] for i in range(0, len(data), SLICE))
+        writer.sent.clear()
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.clock = max(self.clock, loop.time())  # busy from now on: a late wake-up is caught up, not lost
+        while self.queues:
+            for writer in list(self.queues):
+                queue = self.queues[writer]
+                chunk = queue.popleft()
+                if chunk is None:
+                    writer.reader.feed_eof()
+                else:
+                    self.clock += len(chunk) / self.rate
+                    await asyncio.sleep(self.clock - loop.time())
+                    writer.reader.feed_data(chunk)
+                if not queue:
+                    del self.queues[writer]
+                    writer.sent.set()
+
 
 class _PipeWriter:
     """The writing end of a one-way in-memory pipe into ``reader``."""
 
     def __init__(self, reader: asyncio.StreamReader, net: MemoryNetwork, src: str, dst: str):
-        self._reader, self._net, self._src, self._dst = reader, net, src, dst
+        self.reader, self._net, self._src, self._dst = reader, net, src, dst
         self._closed = False
+        self.uplink = net.uplink(src)
+        self.sent = asyncio.Event()  # everything written has crossed the capped uplink
+        self.sent.set()
 
     def write(self, data: bytes) -> None:
         if self._closed or self._net.is_cut(self._src, self._dst):
             raise ConnectionResetError("stream closed")
+        if not data:
+            return
         self._net.bytes_moved[self._src] += len(data)
-        self._reader.feed_data(bytes(data))
+        if self.uplink is None:
+            self.reader.feed_data(bytes(data))
+        else:  # the bytes arrive as the sender's uplink carries them
+            self.uplink.put(self, bytes(data))
 
     async def drain(self) -> None:
-        delay = self._net.delay_of(self._src, self._dst)
-        await asyncio.sleep(delay)  # also yields, like a real drain
+        await self.sent.wait()
+        await asyncio.sleep(self._net.delay_of(self._src, self._dst))  # also yields, like a real drain
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._reader.feed_eof()
+            if self.uplink is not None and not self.sent.is_set():
+                self.uplink.put(self, None)  # after the bytes still queued
+            else:
+                self.reader.feed_eof()
 
     def is_closing(self) -> bool:
         return self._closed
@@ -51,6 +104,8 @@ class MemoryNetwork:
     delays: dict[str, float] = field(default_factory=dict)  # peer -> seconds added to each of its writes
     addrs: dict[str, str] = field(default_factory=dict)  # peer -> the address others see it at
     bytes_moved: dict[str, int] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)  # peer -> bytes/s of its uplink, shared by its streams
+    _uplinks: dict[str, _Uplink] = field(default_factory=dict)
 
     def link(self, peer_id: str, addr: str | None = None) -> MemoryLink:
         link = MemoryLink(self, peer_id)
@@ -64,6 +119,16 @@ class MemoryNetwork:
 
     def delay_of(self, a: str, b: str) -> float:
         return self.delays.get(a, 0.0) + self.delays.get(b, 0.0)
+
+    def uplink(self, src: str) -> _Uplink | None:
+        """``src``'s capped uplink (None if ``rates`` does not cap it), shared by all its streams."""
+        rate = self.rates.get(src)
+        if not rate:
+            return None
+        uplink = self._uplinks.get(src)
+        if uplink is None or uplink.rate != rate:
+            uplink = self._uplinks[src] = _Uplink(rate)
+        return uplink
 
 
 class MemoryLink:

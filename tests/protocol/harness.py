@@ -19,12 +19,13 @@ from hivetrain.peer.net.link import Reply, request
 from hivetrain.peer.net.memory import MemoryLink
 
 NUMEL = 6000
+PIECES = 1024  # piece_values: 2-3 pieces per member, so that every protocol test runs the pipelined all-reduce
 BASE = "ab" * 32
 
 
 def spec(n: int, **over: Any) -> RunSpec:
     fields: dict[str, Any] = dict(name="proto", chunk_size=256, target_group_size=n, matchmaking_timeout=3.0,
-                                  allreduce_timeout=4.0)
+                                  allreduce_timeout=4.0, piece_values=PIECES)
     fields.update(over)
     return RunSpec(**fields)
 

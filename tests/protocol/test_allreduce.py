@@ -164,6 +164,50 @@ def test_the_audit_recompute_runs_ahead_next_to_the_reduce_and_is_reused(monkeyp
     swarm = LocalSwarm(spec(n), NUMEL, n)
     try:
         assert_identical(swarm.all_reduce(0, BASE, deltas(n)), members=n)
+        units = swarm.peers[0].sessions[0].units
     finally:
         swarm.close()
-    assert calls == {"runner": 2 * n, "audit": 0}, calls  # n reduces + n recomputes ahead, none inside the audits
+    assert units == 2 * n  # two pieces per member
+    assert calls == {"runner": 2 * units, "audit": 0}, calls  # a reduce and a recompute ahead per shard, none inside audits
+
+
+@pytest.mark.parametrize("piece_values", [1024, 1 << 21])
+def test_pieces_or_whole_shards_every_member_applies_the_same_bytes(piece_values: int) -> None:
+    n = 3
+    swarm = LocalSwarm(spec(n, piece_values=piece_values), NUMEL, n)
+    try:
+        done = assert_identical(swarm.all_reduce(0, BASE, deltas(n)), members=n)
+        s = swarm.peers[0].sessions[0]
+        assert s.pieces == (2 if piece_values == 1024 else 1) and s.units == n * s.pieces
+        assert sorted(s.mine + [k for i in range(1, n) for k in swarm.peers[i].sessions[0].mine]) == list(range(s.units))
+        mean = torch.stack(deltas(n)).mean(0)
+        assert (done[0].averaged - mean).abs().max() < 0.05 * mean.abs().max()
+    finally:
+        swarm.close()
+
+
+def test_a_reducer_returns_its_first_piece_while_its_later_pieces_still_stream() -> None:
+    """Pipelining, on capped uplinks (in-process, like tbf): each member reduces, signs and sends
+    the result of its first piece as soon as that piece's parts are in, before the parts of its
+    last piece have crossed the links; the round still ends bit-identical."""
+    n = 3
+    swarm = LocalSwarm(spec(n, allreduce_timeout=30.0), NUMEL, n)
+    seen: dict[int, tuple[bool, bool]] = {}
+
+    class Watch(type(swarm.peers[0].ctx.behaviour)):  # type: ignore[misc]
+        def __init__(self, i: int):
+            self.i = i
+
+        def at(self, point: str, round_: int) -> None:
+            if point == "before_results":
+                s = swarm.peers[self.i].sessions[round_]
+                seen[self.i] = (s.has_parts(s.mine[0]), s.has_parts(s.mine[-1]))
+
+    try:
+        for i, peer in enumerate(swarm.peers):
+            peer.ctx.behaviour = Watch(i)
+            swarm.net.rates[peer.ctx.me] = 8000.0  # bytes/s: ~9 KB of parts each, about a second
+        assert_identical(swarm.all_reduce(0, BASE, deltas(n)), members=n)
+        assert seen == {i: (True, False) for i in range(n)}, seen
+    finally:
+        swarm.close()

@@ -65,7 +65,7 @@ def test_an_outsider_frames_for_our_group_are_refused_attributed_and_unused() ->
     def attack() -> Any:
         s = session_of(swarm, 0, 0)
         me = swarm.ids()[0]
-        shard = s.mine
+        shard = s.mine[0]
         junk = os.urandom(s.shard_nbytes(shard))
         sig = sign_result(outsider.identity, s.where(shard), hashlib.sha256(junk).digest(), commitment([""] * n, [], []))
         frames = {
@@ -106,7 +106,7 @@ def test_a_member_claiming_another_members_role_is_convicted_and_banned() -> Non
     def attack() -> Any:
         s = session_of(swarm, 3, 0)
         liar = swarm.peers[3].ctx
-        victim_shard = (s.mine + 1) % n  # a shard it does not reduce
+        victim_shard = (s.mine[0] + 1) % n  # a shard it does not reduce
         body = os.urandom(s.shard_nbytes(victim_shard))
         rh = hashlib.sha256(body).digest()
         sig = sign_result(liar.identity, s.where(victim_shard), rh, commitment([""] * n, [], []))
@@ -243,7 +243,8 @@ def test_a_wrong_size_part_is_refused_unread_attributed_and_the_next_round_goes_
         assert plan.fired
         # its parts were refused on their headers, so it never reduces: the honest members void together
         assert all(isinstance(r, RoundFailed) for r in results), story(results)
-        assert all("not 1548" in r.excluded.get(cheat, "") for r in results[:3]), story(results)  # type: ignore[union-attr]
+        size = swarm.peers[0].sessions[0].shard_nbytes(0)
+        assert all(f"not {size}" in r.excluded.get(cheat, "") for r in results[:3]), story(results)  # type: ignore[union-attr]
         assert swarm.net.bytes_moved[cheat] - moved_before < 20_000  # headers only: its bodies stayed unread
         assert all(cheat in p.ctx.bans for p in swarm.peers[:3])
         nxt = assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1))[:3], members=3)
@@ -312,7 +313,9 @@ def test_a_reducer_biased_by_a_fraction_of_a_step_is_caught_and_its_shard_void()
             done = assert_identical([r for i, r in enumerate(results) if i != 3], members=3)
             order = done[0].group
             k = order.index(swarm.ids()[3])
-            assert len(done[0].void_ranges) == 1, story(results)  # exactly its shard is void
+            s = session_of(swarm, 0, 0)
+            theirs = tuple(s.bounds[j] for j in range(s.units) if s.reducer(j) == swarm.ids()[3])
+            assert s.pieces == 2 and done[0].void_ranges == theirs, story(results)  # exactly its pieces are void
             why = done[0].excluded[swarm.ids()[3]]
             assert "wrong aggregate" in why or "checked ourselves" in why, why
             auditor = order[(k + 1) % n]
@@ -380,7 +383,7 @@ def test_an_equivocating_auditor_is_proven_and_the_majority_decides() -> None:
         reducer = s.reducer((s.order.index(liar_id) - 1) % n)
         majority = [r for p, r in zip(swarm.ids()[:4], results[:4], strict=True) if p != reducer]
         done = assert_identical(majority, members=3)  # the three told "void" apply the shard void, alike
-        assert len(done[0].void_ranges) == 1
+        assert len(done[0].void_ranges) == s.pieces  # the pieces it audits
         minority = results[swarm.ids().index(reducer)]
         assert isinstance(minority, RoundFailed) and "only 2 of 5" in str(minority), story(results)
         assert all("equivocation" in (swarm.peers[i].ctx.bans.why(liar_id) or "") for i in range(4)), story(results)
@@ -457,7 +460,7 @@ def test_a_reducer_returning_a_wrong_aggregate_is_caught_by_its_auditor_and_ever
         results = swarm.all_reduce(0, BASE, deltas(n))
         cheat = swarm.ids()[3]
         done = assert_identical(results[:3], members=3)
-        assert len(done[0].void_ranges) == 1 and cheat in done[0].excluded
+        assert len(done[0].void_ranges) == session_of(swarm, 0, 0).pieces and cheat in done[0].excluded
         for i in range(3):
             assert cheat in swarm.peers[i].ctx.bans, i  # the auditor, and the others after checking its evidence
         nxt = assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1))[:3], members=3)
@@ -474,7 +477,7 @@ def test_an_auditor_accusing_falsely_is_found_out_and_the_reducer_kept() -> None
         results = swarm.all_reduce(0, BASE, deltas(n))
         liar = swarm.ids()[3]
         done = assert_identical(results[:3], members=3)
-        assert len(done[0].void_ranges) == 1  # what a lie costs: one shard for one round
+        assert len(done[0].void_ranges) == session_of(swarm, 0, 0).pieces  # what a lie costs: one share for one round
         for i in range(3):
             assert liar in swarm.peers[i].ctx.bans and "accused" in (swarm.peers[i].ctx.bans.why(liar) or "")
         nxt = assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1))[:3], members=3)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from hivetrain.peer.averaging.api import group_hash, group_order, shard_bounds
+from hivetrain.peer.averaging.api import MAX_PIECES, group_hash, group_order, pieces_per_member, shard_bounds
 
 BASE = "ab" * 32
 PEERS = ["peer-a", "peer-b", "peer-c", "peer-d"]
@@ -33,6 +33,16 @@ def test_shard_bounds_cover_contiguously_and_evenly(numel: int, group_size: int)
 def test_shard_bounds_exact_values() -> None:
     assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert shard_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_pieces_per_member_exact_values_and_cap() -> None:
+    assert pieces_per_member(6000, 3, 1024) == 2  # 2000 values each: two pieces of 1000
+    assert pieces_per_member(6000, 3, 2000) == 1
+    assert pieces_per_member(6001, 3, 2000) == 2  # 2001 values do not fit one piece
+    assert pieces_per_member(25_000_000, 3, 1 << 21) == 4
+    assert pieces_per_member(0, 3, 1024) == 1 and pieces_per_member(5, 8, 1024) == 1
+    assert pieces_per_member(10**10, 64, 1024) == MAX_PIECES // 64  # bounded: at most MAX_PIECES in a round
+    assert pieces_per_member(10**10, 3, 1024) * 3 <= MAX_PIECES
 
 
 # ---- group_order / group_hash ---------------------------------------------------------------------

@@ -194,3 +194,24 @@ def test_done_ticket_answers_body_less_messages() -> None:
 
     reply, _ = run(go())
     assert reply["reason"] == A  # the sender the service saw is the link's authenticated peer id
+
+
+def test_a_capped_uplink_delivers_at_its_rate_shared_by_all_streams() -> None:
+    """MemoryNetwork.rates: two concurrent 20 kB bodies over a 100 kB/s uplink take ~0.4 s together,
+    not 0.2 s each in parallel; the uncapped reverse direction (acks) adds nothing measurable."""
+    async def go() -> tuple[float, list[bytes]]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        net.rates[A] = 100_000.0
+        sink = Sink(size=20_000)
+        await b.serve(PROTO, Server(sink))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        replies = await asyncio.gather(*(request(a, B, PROTO, header(), bytes([i]) * 20_000, timeout=5)
+                                         for i in range(2)))
+        assert all(r["code"] == Code.OK for r, _ in replies)
+        return loop.time() - t0, sink.bodies
+
+    took, bodies = run(go())
+    assert sorted(bodies) == [bytes([0]) * 20_000, bytes([1]) * 20_000]
+    assert 0.4 <= took < 1.5, took  # 40 kB (+ headers) at 100 kB/s: never faster than the cap
