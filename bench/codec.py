@@ -18,7 +18,11 @@ retaken while other processes use > 0.15 core):
   ``int8.encode``, which returns a fresh ``bytes``, is reported apart as ``encode_bytes``);
 * ``decode_accumulate``: public ``int8.decode_accumulate(payload_bytes, n, acc)`` into a preallocated acc;
 * ``reduce4``: a 4-peer reduce in one process: encode 4 inputs, ``acc.zero_()``, decode-accumulate the 4
-  payloads with weight 1/4, re-encode ``acc``.
+  payloads with weight 1/4, re-encode ``acc``;
+* the averager's own path (marked ``*`` in the table): ``encode_bytes``, the public ``int8.encode``
+  that returns a fresh ``bytes`` (every part and result the averager sends), and ``decode``, the
+  public ``int8.decode`` into a fresh tensor (every part a reducer or auditor combines, every result
+  a member applies). The robust combination itself is ``bench.robust``'s.
 
 GB/s is fp32-equivalent: ``numel * 4 B / time`` (for ``reduce4``: ``4 * numel * 4 B / time``, the 4
 peers' inputs). The memory limit of an op is R scaled by the DRAM bytes it must read per element
@@ -45,7 +49,8 @@ from typing import Any
 
 READ_MIN_NUMEL = 100_000_000  # the read baseline streams at least this many float32 (see the module doc)
 REFERENCE_OPS = {"convert_i8": "torch_convert_f32_to_i8", "inplace_add": "torch_inplace_add"}
-LIMIT_FACTOR = {"encode": 4 / 5, "decode_accumulate": 4 / 5, "reduce4": 16 / 49, "encode_bytes": 4 / 5}
+LIMIT_FACTOR = {"encode": 4 / 5, "decode_accumulate": 4 / 5, "reduce4": 16 / 49, "encode_bytes": 4 / 5, "decode": 4 / 5}
+AVERAGER_PATH = ("encode_bytes", "decode")  # what peer/averaging/ calls per piece: Codec.encode, Codec.decode
 MAX_OTHER_CORES = 0.15  # a sample is valid when other processes used less than this many cores meanwhile
 
 
@@ -185,6 +190,7 @@ def _measure_size(numel: int, reps: int, window: float, tries: int) -> tuple[dic
         "decode_accumulate": lambda: codec.decode_accumulate(payload, numel, acc),
         "reduce4": reduce4,
         "encode_bytes": lambda: codec.encode(x),
+        "decode": lambda: codec.decode(payload, numel),
     }
     timings: dict[str, tuple[float, float, float]] = {}
     noisy = []
@@ -263,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'op':<18}{'T':>3}{'numel':>8}{'GB/s':>9}{'limit':>8}{'ratio':>7}{'/read':>7}{'ms':>9}")
     for r in all_rows:
         lim = r["gbps"] / r["ratio_to_memory_limit"]
-        print(f"{r['op']:<18}{r['threads']:>3}{_fmt_n(r['numel']):>8}{r['gbps']:>9.2f}{lim:>8.1f}"
+        op = r["op"] + ("*" if r["op"] in AVERAGER_PATH else "")
+        print(f"{op:<18}{r['threads']:>3}{_fmt_n(r['numel']):>8}{r['gbps']:>9.2f}{lim:>8.1f}"
               f"{r['ratio_to_memory_limit']:>7.2f}{r['ratio_to_read']:>7.2f}{r['ms']:>9.2f}")
-    print("limit: R*4/5 (encode, decode_accumulate, encode_bytes), R*16/49 (reduce4); ratio = GB/s / limit")
+    print("limit: R*4/5 (encode, decode_accumulate, encode_bytes, decode), R*16/49 (reduce4); ratio = GB/s / limit")
+    print("*: the path the averager runs (peer/averaging/: Codec.encode per part and result, Codec.decode per part and result)")
     # The limit above counts reads only. Dequantize-accumulate also writes 4 B per element back; where
     # writes are not free (this EPYC VM with 2 threads), torch's own in-place add, 8 B per element, is
     # the ceiling a 9 B-per-element op can be held to: GB/s / (in-place add GB/s * 8/9).
