@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from multiaddr import Multiaddr
 
 from . import hardening, store_guard
+from .diagnose import diagnose
 from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .identity import Identity, public_key_of
 from .process import children_die_with_us, remove_stale_sockets
@@ -131,6 +132,9 @@ class DHT:
                 )
         except P2PDaemonError as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if self._initial and "bootstrap" in msg:
+                why = await asyncio.to_thread(diagnose, self._initial)
+                raise BootstrapError(f"could not join through any initial peer: {why}") from None
             if self._initial:
                 raise BootstrapError(f"could not reach any initial peer ({msg[:200]})") from None
             raise DHTError(f"could not start the p2p daemon: {msg[:200]}") from None
@@ -148,9 +152,8 @@ class DHT:
             )
         except RuntimeError as e:
             if "bootstrap failed" in str(e):
-                raise BootstrapError(
-                    "none of the initial peers answered; check that they run and that the addresses are right"
-                ) from None
+                why = await asyncio.to_thread(diagnose, self._initial)
+                raise BootstrapError(f"none of the initial peers answered as a DHT node: {why}") from None
             raise
         store_guard.attach(self._node.protocol, self.options.store_quota)
         self.peer_id = self.p2p.peer_id.to_base58()

@@ -21,6 +21,7 @@ from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.int8 import get_codec
+from hivetrain.peer import reach
 from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.context import PeerContext
@@ -115,11 +116,19 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         torch.set_num_threads(options.threads)
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {options.device}: no CUDA device is available here")
-    identity = Identity.load_or_create(options.identity_path) if options.identity_path else Identity.generate()
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
-    dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
+    # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
+    if options.ephemeral:
+        identity, hosts = Identity.generate(), list(options.host_maddrs)
+    else:
+        identity = Identity.load_or_create(options.identity_path or os.path.join(options.state_dir, reach.IDENTITY_FILE))
+        hosts = reach.remembered(options.state_dir, options.host_maddrs)
+    reach.check_ports(hosts)
+    dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=tuple(hosts),
                          announce_maddrs=options.announce_maddrs, identity=identity,
                          timeout=options.dht_timeout)).start()
+    if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
+        reach.remember(options.state_dir, hosts, dht.visible_maddrs())
     try:
         run_key, spec, corpus = open_run(dht, options, choice, say)
         announce(dht, run_key, spec, say, info_file)

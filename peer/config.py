@@ -222,7 +222,8 @@ class PeerOptions:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: tuple[str, ...] = ()
     state_dir: str = ""
-    identity_path: str | None = None
+    identity_path: str | None = None  # default: <state_dir>/identity.key
+    ephemeral: bool = False  # a fresh identity and port for this session: nothing about it is kept
     data_path: str | None = None
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default

@@ -58,6 +58,7 @@ def test_unreachable_initial_peer_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "nothing listens at 127.0.0.1 port 9" in lines[0], lines[0]
 
 
 def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:

@@ -1,0 +1,123 @@
+"""Where this peer listens, and coming back there after a restart.
+
+A peer keeps its libp2p identity (``<state dir>/identity.key``) and the TCP port it listened on
+(``<state dir>/listen.json``) in its state folder, so a restarted peer is the same peer at the same
+address: the join line it printed keeps working and the peers that knew it re-dial it
+(dht/node.py ``_refresh_routing``). An explicit port that is already taken is a one-line error
+before anything is published (p2pd would share it silently through SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+from multiaddr import Multiaddr
+
+from hivetrain.dht.errors import BootstrapError
+
+LISTEN_FILE = "listen.json"
+IDENTITY_FILE = "identity.key"
+MAX_REMEMBERED = 8  # addresses kept in listen.json
+WILDCARDS = ("0.0.0.0", "::")
+logger = logging.getLogger(__name__)
+
+
+def _ip_port(maddr: str) -> tuple[str, str, int] | None:
+    """(family protocol, ip, tcp port) of an /ip4|ip6/.../tcp/... multiaddr, else None."""
+    try:
+        m = Multiaddr(maddr)
+        for proto in ("ip4", "ip6"):
+            with contextlib.suppress(Exception):
+                return proto, m.value_for_protocol(proto), int(m.value_for_protocol("tcp"))
+    except Exception:
+        return None
+    return None
+
+
+def port_free(proto: str, ip: str, port: int) -> bool:
+    """Whether nothing listens on (ip, port): a bind without SO_REUSEPORT fails while p2pd or anyone
+    else listens there (SO_REUSEADDR: connections of a stopped peer in TIME_WAIT do not count)."""
+    family = socket.AF_INET6 if proto == "ip6" else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise BootstrapError(f"cannot listen on {ip} port {port}: {e.strerror}") from None
+    return True
+
+
+def check_ports(host_maddrs: Sequence[str]) -> None:
+    """Raises BootstrapError (one line) for the first explicit port that is already in use."""
+    for maddr in host_maddrs:
+        where = _ip_port(maddr)
+        if where is not None and where[2] != 0 and not port_free(*where):
+            proto, ip, port = where
+            raise BootstrapError(f"port {port} on {ip} is already in use (another peer?): stop it, or listen "
+                                 f"elsewhere with --host-maddrs /{proto}/{ip}/tcp/<free port>")
+
+
+def remembered(state_dir: str, host_maddrs: Sequence[str]) -> list[str]:
+    """``host_maddrs`` with each port 0 replaced by the port we listened on last time at that IP,
+    if it is still free (else 0 again, with a warning: peers that knew the old address must be
+    given the new one)."""
+    saved = _load(state_dir)
+    out = []
+    for maddr in host_maddrs:
+        where = _ip_port(maddr)
+        if where is None or where[2] != 0 or where[1] not in saved:
+            out.append(maddr)
+            continue
+        proto, ip, _ = where
+        port = saved[ip]
+        if port_free(proto, ip, port):
+            out.append(f"/{proto}/{ip}/tcp/{port}")
+        else:
+            logger.warning("the port this peer listened on last time (%s %d) is taken; listening on a new one "
+                           "(peers that knew the old address need the new join line)", ip, port)
+            out.append(maddr)
+    return out
+
+
+def remember(state_dir: str, host_maddrs: Sequence[str], listening: Sequence[str]) -> None:
+    """Saves, per IP of ``host_maddrs``, the port we listen on now (from ``listening``, the daemon's
+    addresses; a wildcard IP takes the port of any address of its family). Best effort."""
+    saved = _load(state_dir)
+    now = [w for w in map(_ip_port, listening) if w is not None and w[2]]
+    for host in map(_ip_port, host_maddrs):
+        if host is None:
+            continue
+        proto, ip, _ = host
+        ports = [p for pr, i, p in now if pr == proto and (i == ip or ip in WILDCARDS)]
+        if ports:
+            saved.pop(ip, None)
+            saved[ip] = ports[0]
+    saved = dict(list(saved.items())[-MAX_REMEMBERED:])
+    path = os.path.join(state_dir, LISTEN_FILE)
+    try:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"ports": saved}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not remember the listening port in %s: %s", path, e.strerror)
+
+
+def _load(state_dir: str) -> dict[str, int]:
+    """{ip: port} from listen.json; anything malformed is ignored (it is only a preference)."""
+    try:
+        with open(os.path.join(state_dir, LISTEN_FILE)) as f:
+            raw = json.load(f)
+        ports = raw.get("ports", {}) if isinstance(raw, dict) else {}
+        return {ip: p for ip, p in ports.items()
+                if isinstance(ip, str) and len(ip) <= 64 and isinstance(p, int) and 0 < p < 65536}
+    except (OSError, ValueError):
+        return {}

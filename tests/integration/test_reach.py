@@ -1,0 +1,72 @@
+"""Coming back after a restart, and the connectivity errors a user sees (peer/reach.py, dht/diagnose.py),
+with real peers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from .conftest import run_cli, wait_until
+
+FAST = ["--sync-every", "4", "--allreduce-timeout", "12"]
+OTHER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_line(result) -> str:  # type: ignore[no-untyped-def]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    return str(lines[0])
+
+
+def test_a_restarted_owner_is_the_same_peer_at_the_same_address_and_rejoins(swarm) -> None:
+    """The run owner killed and started again with the same command: same peer id, same address, same
+    run key; the join line it printed before still works, and its old partner groups with it again."""
+    owner_cmd = ["--new-run", "comeback", "--target-group-size", "3", "--matchmaking-timeout", "4",
+                 "--max-rounds", "400", "--quiet", *FAST]
+    owner = swarm("p0", *owner_cmd)
+    before = owner.wait_info()
+    join = ["--run", before["run_key"], "--initial-peers", before["maddrs"][0], "--max-rounds", "400", "--quiet", *FAST]
+    p1 = swarm("p1", *join)
+    wait_until(lambda: any(r["group_size"] == 2 for r in p1.records()), [owner, p1], 120, "a round of the pair")
+    owner.kill()
+    owner.info.unlink()
+    rounds_at_restart = len(p1.records())
+
+    again = swarm("p0", *owner_cmd)  # the same command: the same state folder
+    after = again.wait_info()
+    assert (after["peer_id"], after["maddrs"][0], after["run_key"]) == (before["peer_id"], before["maddrs"][0],
+                                                                          before["run_key"])
+    wait_until(lambda: any(before["peer_id"] in r["group"] for r in p1.records()[rounds_at_restart:]),
+               [again, p1], 150, "the restarted owner back in a group with its partner")
+    p2 = swarm("p2", *join)  # the join line printed before the restart
+    assert p2.wait_info()["run_key"] == before["run_key"]
+
+
+def test_a_port_in_use_is_one_clear_line(swarm, tmp_path: Path) -> None:
+    port = free_port()
+    owner = swarm("p0", "--new-run", "busy", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--max-rounds", "400",
+                  "--quiet")
+    owner.wait_info()
+    line = one_line(run_cli("start", "--new-run", "busy2", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                            "--state-dir", str(tmp_path / "other")))
+    assert f"port {port} on 127.0.0.1 is already in use" in line, line
+
+
+def test_bootstrap_errors_say_what_is_wrong_in_plain_words(swarm, tmp_path: Path) -> None:
+    owner = swarm("p0", "--new-run", "plain", "--max-rounds", "400", "--quiet")
+    maddr = owner.wait_info()["maddrs"][0]
+    wrong_id = maddr.rsplit("/p2p/", 1)[0] + "/p2p/" + OTHER_ID
+    line = one_line(run_cli("start", "--run", "plain." + "a" * 32, "--initial-peers", wrong_id, "--dht-timeout", "5",
+                            "--state-dir", str(tmp_path / "a")))
+    assert "accepts connections, but no libp2p peer 12D3KooWDpJ7As7B" in line and "daemon" not in line.lower(), line
+    closed = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{OTHER_ID}"
+    line = one_line(run_cli("start", "--run", "plain." + "a" * 32, "--initial-peers", closed, "--dht-timeout", "5",
+                            "--state-dir", str(tmp_path / "b")))
+    assert "nothing listens at 127.0.0.1 port" in line and "daemon" not in line.lower(), line
