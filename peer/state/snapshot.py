@@ -18,6 +18,7 @@ its own, from any donor, as soon as it arrives.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import re
 import struct
@@ -30,6 +31,7 @@ from hivetrain.peer.errors import StateMismatch
 
 PIECE_SIZE = 1 << 20  # bytes per piece (1 MiB); a multiple of 4, so every piece holds whole fp32 values
 DIGEST_LEN = 32
+HASH_THREADS = 2  # threads hashing a snapshot's pieces
 MAX_NUMEL = 1 << 34  # sanity cap on the parameter count a peer will believe
 ZERO = "0" * 64  # parent and link of the initial state
 VOID_LINK = hashlib.sha256(b"void").hexdigest()  # the link of a state produced by a void round
@@ -79,6 +81,30 @@ def all_finite(data: bytes | memoryview) -> bool:
     return bool(torch.isfinite(torch.frombuffer(bytearray(data), dtype=torch.float32)).all())
 
 
+def _piece_hashes(view: memoryview, numel: int) -> tuple[bytes, ...]:
+    """SHA-256 of every piece, in HASH_THREADS threads (hashlib releases the GIL on large buffers)."""
+    count = num_pieces(numel)
+
+    def hash_range(lo: int, hi: int) -> list[bytes]:
+        return [hashlib.sha256(view[slice(*piece_range(numel, i))]).digest() for i in range(lo, hi)]
+
+    if count < 2 * HASH_THREADS:
+        return tuple(hash_range(0, count))
+    step = -(-count // HASH_THREADS)
+    futures = [_hashers().submit(hash_range, lo, min(lo + step, count)) for lo in range(0, count, step)]
+    return tuple(h for f in futures for h in f.result())
+
+
+_HASHERS: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _hashers() -> concurrent.futures.ThreadPoolExecutor:
+    global _HASHERS
+    if _HASHERS is None:
+        _HASHERS = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="hivetrain-hash")
+    return _HASHERS
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a donor sends before the pieces, checked against the attested hash (``parse_manifest``)."""
@@ -94,7 +120,7 @@ class Snapshot:
 
     round: int
     numel: int
-    data: bytes  # (2n,) fp32 LE: master then momentum
+    data: bytes | bytearray  # (2n,) fp32 LE: master then momentum; never written after ``of``
     piece_hashes: tuple[bytes, ...]
     hash: str
     parent: str = ZERO  # hash of the state this one was computed from
@@ -104,10 +130,11 @@ class Snapshot:
     def of(cls, round_: int, master: torch.Tensor, momentum: torch.Tensor, *, parent: str = ZERO,
            link: str = ZERO) -> Snapshot:
         numel = master.numel()
-        data = master.numpy().tobytes() + momentum.numpy().tobytes()
-        view = memoryview(data)
-        pieces = tuple(hashlib.sha256(view[s:e]).digest()
-                       for s, e in (piece_range(numel, i) for i in range(num_pieces(numel))))
+        data = bytearray(state_nbytes(numel))  # one copy of each (0.27 s at 26M, against 0.5 s through tobytes + concat)
+        flat = torch.frombuffer(data, dtype=torch.float32) if numel else torch.empty(0)
+        flat[:numel].copy_(master)
+        flat[numel:].copy_(momentum)
+        pieces = _piece_hashes(memoryview(data), numel)
         return cls(round_, numel, data, pieces, digest(round_, numel, parent, link, pieces), parent, link)
 
     def manifest(self) -> bytes:
@@ -115,7 +142,7 @@ class Snapshot:
 
     def piece(self, index: int) -> bytes:
         start, end = piece_range(self.numel, index)
-        return self.data[start:end]
+        return bytes(memoryview(self.data)[start:end])
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(master, momentum) as new (n,) fp32 tensors."""
