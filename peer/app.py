@@ -98,7 +98,7 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
     say(f"run key: {run_key}")
     for maddr in maddrs:
         say(f"address: {maddr}")
-    say(f"join with: peer start --run {run_key} --initial-peers {maddrs[0] if maddrs else '<this address>'}")
+    say(f"join with: peer start --run {run_key} --initial-peers {reach.best_address(maddrs) or '<this address>'}")
     if info_file:
         tmp = info_file + ".tmp"
         with open(tmp, "w") as f:

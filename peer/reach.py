@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -121,3 +122,19 @@ def _load(state_dir: str) -> dict[str, int]:
                 if isinstance(ip, str) and len(ip) <= 64 and isinstance(p, int) and 0 < p < 65536}
     except (OSError, ValueError):
         return {}
+
+
+def best_address(maddrs: Sequence[str]) -> str | None:
+    """The address to put in a join line: a public one first, then a private (LAN) one, loopback
+    last (only a peer on this machine can use it); the daemon's order within each kind."""
+    def rank(maddr: str) -> int:
+        where = _ip_port(maddr)
+        if where is None:
+            return 1  # a DNS name: as good as a private address, we cannot tell
+        try:
+            ip = ipaddress.ip_address(where[1])
+        except ValueError:
+            return 1
+        return 2 if ip.is_loopback else 0 if ip.is_global else 1
+
+    return min(maddrs, key=rank) if maddrs else None

@@ -68,3 +68,11 @@ def test_diagnose_tells_nothing_listening_from_the_wrong_peer(listener: int) -> 
     someone = diagnose([Multiaddr(f"/ip4/127.0.0.1/tcp/{listener}/p2p/{PEER}")], timeout=2)
     assert someone.startswith(f"127.0.0.1 port {listener} accepts connections, but no libp2p peer 12D3KooWDpJ7As7B")
     assert "peer id is wrong" in someone
+
+
+def test_the_join_line_offers_a_public_address_then_a_lan_one_never_loopback_first() -> None:
+    lo, lan, pub = (f"/ip4/{ip}/tcp/4001/p2p/{PEER}" for ip in ("127.0.0.1", "192.168.1.2", "81.2.69.160"))
+    assert reach.best_address([lo, lan, pub]) == pub
+    assert reach.best_address([lo, lan]) == lan
+    assert reach.best_address([lo]) == lo
+    assert reach.best_address([]) is None
