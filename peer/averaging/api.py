@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.net.wire import MAX_PIECES as MAX_PIECES  # shards of one round, in all (re-exported)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,6 @@ def begin_now(averager: Averager, round_: int, base_hash: str, delta: torch.Tens
         return Finished(e)
 
 
-MAX_PIECES = 1024  # pieces of one round, in all: bounds the statements a member holds and forwards
 
 
 def pieces_per_member(numel: int, group_size: int, piece_values: int) -> int:

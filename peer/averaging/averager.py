@@ -261,7 +261,7 @@ class P2PAverager:
         current group is a replay: its part is left out of our shards at once (no waiting for it)."""
         if header["type"] == "part":
             old = self.sessions.get(header["round"])
-            if old is not None and old.group == header["group"] and header["shard"] < old.n:
+            if old is not None and old.group == header["group"] and header["shard"] < old.units:
                 held = old.shards[header["shard"]].parts.get(sender)
                 if held is not None and digest(held) == header["digest"]:
                     return self.refusal(header, Code.DUPLICATE, "")

@@ -28,6 +28,7 @@ MAGIC = b"HTW3"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 16 * 1024
 MAX_GROUP = 64  # members of one group, and peer ids in one list
+MAX_PIECES = 1024  # shards (pieces) of one round's all-reduce, in all
 MAX_REASON = 280  # characters of a human-readable reason
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX128 = re.compile(r"^[0-9a-f]{128}$")
@@ -92,7 +93,8 @@ def _peers(v: Any) -> bool:
     return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(p, str) and PEER_ID_RE.fullmatch(p) for p in v)
 
 
-_SHARD = _int(0, MAX_GROUP - 1)
+_SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
+_MEMBER = _int(0, MAX_GROUP - 1)
 _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(), "base": _hex64}
 _SESSION = {**_COMMON, "group": _hex64}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -111,8 +113,8 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "audit": {**_SESSION, "shard": _SHARD, "ok": _bool, "result": _hex64, "finding": _int(0, 2), "reason": _text,
               "sig": _sig},
     # disputes: a member asks the auditor of shard ``shard`` for its copy of member ``index``'s part
-    "evidence_req": {**_SESSION, "shard": _SHARD, "index": _SHARD},
-    "evidence": {**_SESSION, "shard": _SHARD, "index": _SHARD, "ok": _bool},
+    "evidence_req": {**_SESSION, "shard": _SHARD, "index": _MEMBER},
+    "evidence": {**_SESSION, "shard": _SHARD, "index": _MEMBER, "ok": _bool},
     # after the round: the digest of what the sender applied; the body holds its signed statements per shard
     "applied": {**_SESSION, "digest": _hex64},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``

@@ -211,3 +211,17 @@ def test_a_reducer_returns_its_first_piece_while_its_later_pieces_still_stream()
         assert seen == {i: (True, False) for i in range(n)}, seen
     finally:
         swarm.close()
+
+
+def test_more_pieces_than_a_group_has_members_cross_the_wire() -> None:
+    """Shard indices go up to MAX_PIECES - 1 on the wire (not MAX_GROUP - 1): 2 members x 35 pieces."""
+    n, numel = 2, 70_000
+    swarm = LocalSwarm(spec(n), numel, n)
+    try:
+        done = assert_identical(swarm.all_reduce(0, BASE, deltas(n, numel=numel)), members=n)
+        s = swarm.peers[0].sessions[0]
+        assert s.units == 70 and not done[0].void_ranges, story(done)
+        mean = torch.stack(deltas(n, numel=numel)).mean(0)
+        assert (done[0].averaged - mean).abs().max() < 0.05 * mean.abs().max()
+    finally:
+        swarm.close()

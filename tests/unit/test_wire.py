@@ -14,6 +14,7 @@ from hivetrain.peer.net.wire import (
     MAGIC,
     MAX_GROUP,
     MAX_HEADER,
+    MAX_PIECES,
     PREFIX,
     ProtocolError,
     encode_frame,
@@ -37,6 +38,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
         "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
                   "sig": HEX * 2},
         "applied": {"group": HEX, "digest": HEX},
+        "evidence_req": {"group": HEX, "shard": 0, "index": 0},
         "ack": {"code": 0, "reason": ""},
     }
     return {**base, **extra[kind], **over}
@@ -163,7 +165,8 @@ def test_unhashable_type_rejected(header: Any) -> None:
     _header(round=-1),
     _header(round=True),
     _header(round="3"),
-    _header(shard=MAX_GROUP),
+    _header(shard=MAX_PIECES),  # shards are pieces: up to MAX_PIECES - 1 (MAX_GROUP - 1 was the old cap)
+    _header("evidence_req", shard=0, index=MAX_GROUP),  # an index is a member's position
     _header(digest=HEX),  # a part digest is 32 hex characters
     _header("ack", code=99),
     _header("ack", code=True),
