@@ -247,15 +247,14 @@ class P2PAverager:
         round_, base = header["round"], header["base"]
         mm = self.matchmaking.get(round_)
         members, excluded = header["members"], header["excluded"]
-        request = Report(frozenset(members), frozenset(excluded), unheard=frozenset(header["unheard"]))
+        request = Report(frozenset(members), frozenset(excluded))
         if mm is None or mm.view.base != base:
             reply = Report(frozenset(), frozenset(), decided=round_ < self.current_round, ready=False)
         else:
             reply = mm.on_view(sender, request)
-        assert len(reply.members) <= MAX_GROUP and len(reply.excluded) <= MAX_GROUP and len(reply.unheard) <= MAX_GROUP
+        assert len(reply.members) <= MAX_GROUP and len(reply.excluded) <= MAX_GROUP
         return self.ctx.header("view_reply", round_, base, members=sorted(reply.members),
-                               excluded=sorted(reply.excluded), unheard=sorted(reply.unheard), decided=reply.decided,
-                               ready=reply.ready), b""
+                               excluded=sorted(reply.excluded), decided=reply.decided, ready=reply.ready), b""
 
     def _late(self, sender: str, header: dict[str, Any]) -> Reply:
         """A message of an earlier round. The same part again is a retry; another from a member of our

@@ -199,7 +199,7 @@ class Matchmaking:
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
-                                 excluded=sorted(mine.excluded), unheard=sorted(mine.unheard))
+                                 excluded=sorted(mine.excluded))
         reply = None
         for attempt in range(VIEW_ATTEMPTS):
             started = time.monotonic()
@@ -217,7 +217,7 @@ class Matchmaking:
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
             return _Ask(peer, None)
         return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
-                                 reply["ready"], frozenset(reply["unheard"])))
+                                 reply["ready"]))
 
     # ---- caps -----------------------------------------------------------------------------------
 

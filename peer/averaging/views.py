@@ -45,7 +45,6 @@ class Report:
     excluded: frozenset[str]
     decided: bool = False
     ready: bool = True  # False: it is not forming this round's group from this base
-    unheard: frozenset[str] = frozenset()  # candidates it accepts but has not exchanged views with yet
 
     def effective(self) -> frozenset[str]:
         return self.members - self.excluded
@@ -63,7 +62,6 @@ class View:
     reports: dict[str, Report] = field(default_factory=dict)
     capped: dict[str, str] = field(default_factory=dict)  # left out by our caps now (recomputed, not sticky)
     tried: set[str] = field(default_factory=set)  # hints we asked (bounded: named peers cost one ask each)
-    heard: set[str] = field(default_factory=set)  # candidates we exchanged views with: they reach us, we reach them
     strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member -> (sweeps, since) of disagreement
     decided: tuple[str, ...] | None = None
     abandoned: bool = False  # the round failed for us: we answer "decided without you" from now on
@@ -175,16 +173,11 @@ def settle(view: View, caps: Caps) -> frozenset[str]:
 
 
 def outgoing(view: View, caps: Caps) -> Report:
-    """What we tell others of our view: our effective members that we exchanged views with, the
-    effective ones we have not reached yet (``unheard``: others learn of them, but nobody counts
-    them as agreed: a peer known only from its ready record may be unreachable from here, and a
-    third peer must not decide a group we cannot be part of), and the peers of interest we exclude
+    """What we tell others of our view: our effective members, and the peers of interest we exclude
     (candidates and reporters), each list at most ``MAX_GROUP`` long, highest priority first."""
     effective = settle(view, caps)
-    heard = effective & (view.heard | {view.me})
     interest = (view.candidates | set(view.reports)) & (set(view.excluded) | set(view.capped))
-    return Report(heard, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]),
-                  unheard=effective - heard)
+    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]))
 
 
 def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None], caps: Caps, now: float) -> Step:
@@ -203,8 +196,6 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             view.exclude(peer, "did not answer our view request")
             continue
         view.reports[peer] = reply
-        if peer in view.candidates:
-            view.heard.add(peer)
         if not reply.ready:
             view.exclude(peer, "not forming this round's group from our base")
         elif reply.decided and view.me not in reply.members:
@@ -218,7 +209,7 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
                 view.exclude(peer, "decided a group we cannot accept")
             named.update(group - known)
         else:
-            named.update((reply.members | reply.unheard) - known)
+            named.update(reply.members - known)
     hints = frozenset(sorted(named, key=caps.priority)[: max(0, MAX_HINTS - len(view.tried))])
     view.tried.update(hints)
     members = settle(view, caps)
@@ -254,5 +245,4 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too
         view.reports[sender] = request
-        view.heard.add(sender)
     return outgoing(view, caps)

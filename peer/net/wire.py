@@ -99,11 +99,9 @@ _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(),
 _SESSION = {**_COMMON, "group": _hex64}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with)
-    # (members: those it exchanged views with; unheard: those it accepts but has not reached yet)
-    "view": {**_COMMON, "members": _peers, "excluded": _peers, "unheard": _peers},
+    "view": {**_COMMON, "members": _peers, "excluded": _peers},
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
-    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "unheard": _peers, "decided": _bool,
-                   "ready": _bool},
+    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool},
     # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor)
     "part": {**_SESSION, "shard": _SHARD, "digest": lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v))
              and len(v) == 32},
