@@ -23,7 +23,6 @@ A member that fails anywhere raises RoundFailed at the deadline at the latest, l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -127,7 +126,7 @@ class AllReduceRunner:
                 if peer is not None and peer != ctx.me:
                     self.outbox.put(peer, header, parts[k], strict=True)
         try:
-            await self._unless_broken(self._pipeline())
+            await self._pipeline()
         except BaseException:
             self.outbox.stop()
             raise
@@ -152,26 +151,12 @@ class AllReduceRunner:
                              "audit verdicts of every shard")
         await self.outbox.flush()
 
-    async def _unless_broken(self, work: Coroutine[Any, Any, None]) -> None:
-        """Runs ``work``; fails the round as soon as one of our parts cannot be delivered."""
-        task = asyncio.ensure_future(work)
-        broken = asyncio.ensure_future(self.outbox.broken.wait())
-        try:
-            await asyncio.wait({task, broken}, return_when=asyncio.FIRST_COMPLETED)
-            if self.outbox.error is None:  # then ``work`` is done
-                return task.result()
-        finally:
-            broken.cancel()
-            if not task.done():
-                task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise self.outbox.error
-
     async def _parts_delivered(self) -> None:
+        """Ends when our parts are delivered; fails the round as soon as one of them cannot be."""
         await self.outbox.strict_done.wait()
-        if self.outbox.error is None:
-            self.ctx.behaviour.at("after_parts", self.session.round)
+        if self.outbox.error is not None:
+            raise self.outbox.error
+        self.ctx.behaviour.at("after_parts", self.session.round)
 
     # ---- steps ----------------------------------------------------------------------------------
 

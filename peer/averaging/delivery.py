@@ -63,8 +63,9 @@ class Outbox:
     STREAMS_PER_PEER at a time per member, to all members at once. Results and verdicts are put
     while parts still stream, so they queue behind the parts already put for the same member.
 
-    A ``strict`` message that cannot be delivered breaks the outbox (``error``, ``broken``); the
-    round fails. Other failures are logged (a member that misses our message voids its own round).
+    ``strict_done`` is set once every strict message (our parts) is delivered, or at the first one
+    that cannot be (then ``error`` says why, and the round fails). Other failures are logged (a
+    member that misses our message voids its own round).
     """
 
     def __init__(self, ctx: PeerContext, round_: int, deadline: float):
@@ -72,7 +73,6 @@ class Outbox:
         self.queues: dict[str, asyncio.Queue[tuple[dict[str, Any], bytes, bool] | None]] = {}
         self.workers: list[asyncio.Task[None]] = []
         self.error: RoundFailed | None = None
-        self.broken = asyncio.Event()
         self.strict_left = 0  # strict messages not delivered yet
         self.strict_done = asyncio.Event()
         self.strict_done.set()
@@ -97,7 +97,7 @@ class Outbox:
                     logger.info("round %d: delivery failed: %r", self.round, e)
                 elif self.error is None:
                     self.error = e
-                    self.broken.set()
+                    self.strict_done.set()
             if strict:
                 self.strict_left -= 1
                 if self.strict_left == 0:
