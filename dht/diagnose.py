@@ -9,13 +9,20 @@ from collections.abc import Sequence
 from multiaddr import Multiaddr
 
 
-def _where(maddr: Multiaddr) -> tuple[int, str, int, str] | None:
-    """(socket family, ip, tcp port, peer id) of an initial peer's multiaddr, else None (DNS names)."""
-    for proto, family in (("ip4", socket.AF_INET), ("ip6", socket.AF_INET6)):
-        with contextlib.suppress(Exception):
-            return family, maddr.value_for_protocol(proto), int(maddr.value_for_protocol("tcp")), \
-                maddr.value_for_protocol("p2p")
+def tcp_endpoint(maddr: Multiaddr | str) -> tuple[str, str, int] | None:
+    """("ip4" or "ip6", ip, tcp port) of an /ip4|ip6/.../tcp/... multiaddr, else None (DNS names, junk)."""
+    try:
+        m = Multiaddr(maddr) if isinstance(maddr, str) else maddr
+        for proto in ("ip4", "ip6"):
+            with contextlib.suppress(Exception):
+                return proto, m.value_for_protocol(proto), int(m.value_for_protocol("tcp"))
+    except Exception:
+        return None
     return None
+
+
+def family(proto: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if proto == "ip6" else socket.AF_INET
 
 
 def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
@@ -23,12 +30,13 @@ def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
     nothing listens there, the host is unreachable, or something answers but not as that peer id."""
     reasons = []
     for maddr in initial_peers:
-        where = _where(maddr)
+        where = tcp_endpoint(maddr)
         if where is None:
             continue
-        family, ip, port, peer_id = where
+        proto, ip, port = where
+        peer_id = maddr.value_for_protocol("p2p")
         try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
+            with socket.socket(family(proto), socket.SOCK_STREAM) as s:
                 s.settimeout(timeout)
                 s.connect((ip, port))
         except ConnectionRefusedError:

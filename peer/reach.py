@@ -9,7 +9,6 @@ before anything is published (p2pd would share it silently through SO_REUSEPORT)
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import json
@@ -18,8 +17,7 @@ import os
 import socket
 from collections.abc import Sequence
 
-from multiaddr import Multiaddr
-
+from hivetrain.dht.diagnose import family, tcp_endpoint
 from hivetrain.dht.errors import BootstrapError
 
 LISTEN_FILE = "listen.json"
@@ -29,28 +27,15 @@ WILDCARDS = ("0.0.0.0", "::")
 logger = logging.getLogger(__name__)
 
 
-def _ip_port(maddr: str) -> tuple[str, str, int] | None:
-    """(family protocol, ip, tcp port) of an /ip4|ip6/.../tcp/... multiaddr, else None."""
-    try:
-        m = Multiaddr(maddr)
-        for proto in ("ip4", "ip6"):
-            with contextlib.suppress(Exception):
-                return proto, m.value_for_protocol(proto), int(m.value_for_protocol("tcp"))
-    except Exception:
-        return None
-    return None
-
-
 def port_free(proto: str, ip: str, port: int) -> bool:
     """Whether nothing listens on (ip, port): a bind without SO_REUSEPORT fails while p2pd or anyone
     else listens there (SO_REUSEADDR: connections of a stopped peer in TIME_WAIT do not count)."""
-    family = socket.AF_INET6 if proto == "ip6" else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(family(proto), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
         except OSError as e:
-            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            if e.errno == errno.EADDRINUSE:
                 return False
             raise BootstrapError(f"cannot listen on {ip} port {port}: {e.strerror}") from None
     return True
@@ -59,7 +44,7 @@ def port_free(proto: str, ip: str, port: int) -> bool:
 def check_ports(host_maddrs: Sequence[str]) -> None:
     """Raises BootstrapError (one line) for the first explicit port that is already in use."""
     for maddr in host_maddrs:
-        where = _ip_port(maddr)
+        where = tcp_endpoint(maddr)
         if where is not None and where[2] != 0 and not port_free(*where):
             proto, ip, port = where
             raise BootstrapError(f"port {port} on {ip} is already in use (another peer?): stop it, or listen "
@@ -73,7 +58,7 @@ def remembered(state_dir: str, host_maddrs: Sequence[str]) -> list[str]:
     saved = _load(state_dir)
     out = []
     for maddr in host_maddrs:
-        where = _ip_port(maddr)
+        where = tcp_endpoint(maddr)
         if where is None or where[2] != 0 or where[1] not in saved:
             out.append(maddr)
             continue
@@ -92,8 +77,8 @@ def remember(state_dir: str, host_maddrs: Sequence[str], listening: Sequence[str
     """Saves, per IP of ``host_maddrs``, the port we listen on now (from ``listening``, the daemon's
     addresses; a wildcard IP takes the port of any address of its family). Best effort."""
     saved = _load(state_dir)
-    now = [w for w in map(_ip_port, listening) if w is not None and w[2]]
-    for host in map(_ip_port, host_maddrs):
+    now = [w for w in map(tcp_endpoint, listening) if w is not None and w[2]]
+    for host in map(tcp_endpoint, host_maddrs):
         if host is None:
             continue
         proto, ip, _ = host
@@ -128,7 +113,7 @@ def best_address(maddrs: Sequence[str]) -> str | None:
     """The address to put in a join line: a public one first, then a private (LAN) one, loopback
     last (only a peer on this machine can use it); the daemon's order within each kind."""
     def rank(maddr: str) -> int:
-        where = _ip_port(maddr)
+        where = tcp_endpoint(maddr)
         if where is None:
             return 1  # a DNS name: as good as a private address, we cannot tell
         try:

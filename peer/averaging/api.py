@@ -70,8 +70,6 @@ def begin_now(averager: Averager, round_: int, base_hash: str, delta: torch.Tens
         return Finished(e)
 
 
-
-
 def pieces_per_member(numel: int, group_size: int, piece_values: int) -> int:
     """Into how many pieces each member's share of the vector is cut: about ``piece_values`` values
     each, at least one, and at most MAX_PIECES pieces in the whole group."""
@@ -93,8 +91,8 @@ def shard_bounds(numel: int, group_size: int) -> list[tuple[int, int]]:
 
 def group_order(members: Sequence[str], round_: int, base_hash: str) -> tuple[str, ...]:
     """The group's fixed order, derived by every member from shared data: member k reduces the
-    shards (pieces) j with j mod n = k and audits those with j mod n = k - 1. Ordering by a hash of (round, base state, peer id) rotates the roles
-    every round without letting any peer choose its place."""
+    shards (pieces) j with j mod n = k and audits those with j mod n = k - 1. Ordering by a hash of
+    (round, base state, peer id) rotates the roles every round without letting any peer choose its place."""
     def key(peer_id: str) -> bytes:
         return hashlib.sha256(f"{round_}/{base_hash}/{peer_id}".encode()).digest()
 
