@@ -177,6 +177,7 @@ def _optional(check: Check) -> Check:
 
 
 MAX_ROUND = 10**9
+REACH_MODES = ("direct", "outbound_only", "unknown")  # a heartbeat's ``reach``
 SCHEMAS: dict[str, dict[str, Check]] = {
     "hb": {
         "peer_id": _is_peer_id,
@@ -186,6 +187,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "throughput": _is_float(0.0, 1e12),  # tokens per second
         "train_loss": _optional(_is_float(0.0, 1e6)),
         "eval_loss": _optional(_is_float(0.0, 1e6)),
+        "reach": lambda v: v in REACH_MODES,  # how others reach the peer (peer/reach.py); may be absent
     },
     "ready": {
         "peer_id": _is_peer_id,
@@ -194,8 +196,10 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "spec_hash": _is_hex64,
         "done": lambda v: isinstance(v, bool),  # false: announced ahead, still computing
         "eta": _is_float(0.0, 1e11),  # unix time the peer expects to be ready (its claim; bounded by the reader)
+        "closed": lambda v: isinstance(v, bool),  # true: nobody can dial it (an outbound-only member); may be absent
     },
 }
+OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed"})}  # fields a record may leave out
 BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id
 
 
@@ -205,11 +209,12 @@ def encode_payload(kind: str, fields: dict[str, Any]) -> bytes:
 
 
 def check_payload(kind: str, fields: Any) -> dict[str, Any]:
-    schema = SCHEMAS[kind]
-    if not isinstance(fields, dict) or set(fields) != set(schema):
-        raise InvalidRecord(f"{kind} record must have exactly the fields {sorted(schema)}")
+    schema, optional = SCHEMAS[kind], OPTIONAL.get(kind, frozenset())
+    if not isinstance(fields, dict) or not set(schema) - optional <= set(fields) <= set(schema):
+        raise InvalidRecord(f"{kind} record must have exactly the fields {sorted(schema)} "
+                            f"(of which {sorted(optional)} may be left out)")
     for name, check in schema.items():
-        if not check(fields[name]):
+        if name in fields and not check(fields[name]):
             raise InvalidRecord(f"{kind} record field {name!r} is invalid")
     return fields
 

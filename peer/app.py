@@ -29,6 +29,7 @@ from hivetrain.peer.averaging.ready import DHTReadyBoard
 from hivetrain.peer.config import PeerOptions, RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.faults import FaultPlan
+from hivetrain.peer.net import dialback
 from hivetrain.peer.net.libp2p import LibP2PLink
 from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
 from hivetrain.peer.state import checkpoint
@@ -129,6 +130,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                          timeout=options.dht_timeout)).start()
     if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
         reach.remember(options.state_dir, hosts, dht.visible_maddrs())
+    reachability: reach.Reachability | None = None
     try:
         run_key, spec, corpus = open_run(dht, options, choice, say)
         announce(dht, run_key, spec, say, info_file)
@@ -136,6 +138,19 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             numel = count_parameters(Llama(spec.model))
         trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
         averager = build_averager(dht, run_key, spec, numel, trust, behaviour)
+        heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
+                                       + 60, say)
+
+        def reached(verdict: dialback.Verdict) -> None:  # takes effect at the next round's matchmaking
+            averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
+            heartbeat.extra["reach"] = verdict.mode
+
+        reachability = reach.Reachability(dht, say, reached)
+        reachability.serve()
+        if reachability.check().mode == dialback.UNKNOWN:
+            say(reach.describe(reachability.verdict))
+            reached(reachability.verdict)
+        reachability.start()
         sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, behaviour).start()
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -143,8 +158,6 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
                              min_round_s=spec.min_round_s, log=say)
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)
-        heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
-                                       + 60, say)
         metrics = MetricsWriter(options.metrics_file)
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust),
                           options.device, options.eval_batches, say, heartbeat)
@@ -166,6 +179,8 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         finally:
             metrics.close()
     finally:
+        if reachability is not None:
+            reachability.stop()
         _shutdown_with_deadline(dht)
 
 

@@ -1,10 +1,14 @@
-"""Where this peer listens, and coming back there after a restart.
+"""Where this peer listens, coming back there after a restart, and whether others can dial it.
 
 A peer keeps its libp2p identity (``<state dir>/identity.key``) and the TCP port it listened on
 (``<state dir>/listen.json``) in its state folder, so a restarted peer is the same peer at the same
 address: the join line it printed keeps working and the peers that knew it re-dial it
 (dht/node.py ``_refresh_routing``). An explicit port that is already taken is a one-line error
 before anything is published (p2pd would share it silently through SO_REUSEPORT).
+
+``Reachability`` finds out, with peers' dial-back checks, whether others can dial this peer, says so
+in plain words, and tells the averager: a peer nobody can dial joins groups as an outbound-only
+member (peer/averaging/views.py).
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hivetrain.dht.diagnose import family, tcp_endpoint
 from hivetrain.dht.errors import BootstrapError
+from hivetrain.peer.net.dialback import ASK_TIMEOUT, DIRECT, OUTBOUND_ONLY, UNKNOWN, DialBackService, Verdict, listen_ports
+from hivetrain.peer.net.dialback import check as dialback_check
 
 LISTEN_FILE = "listen.json"
 IDENTITY_FILE = "identity.key"
@@ -123,3 +131,69 @@ def best_address(maddrs: Sequence[str]) -> str | None:
         return 2 if ip.is_loopback else 0 if ip.is_global else 1
 
     return min(maddrs, key=rank) if maddrs else None
+
+
+def describe(verdict: Verdict) -> str:
+    """The reachability line ``peer start`` prints, in plain words, with advice where it matters."""
+    asked, yes = len(verdict.answers), sum(ok for _, ok in verdict.answers)
+    port = verdict.ports[0] if verdict.ports else 0
+    if verdict.mode == DIRECT:
+        return f"reachability: reachable directly ({yes} of {asked} peers could dial us at port {port})"
+    if verdict.mode == OUTBOUND_ONLY:
+        return (f"reachability: behind NAT: joined as an outbound-only member (none of {asked} peers could dial us "
+                f"at port {port}): we send our parts and receive results over our own connections, and reduce and "
+                f"audit nothing. To do those too, forward TCP port {port} on your router to this machine and "
+                f"restart with --announce-maddrs /ip4/<your public ip>/tcp/{port}")
+    return "reachability: not known yet (no peer to check with); acting as reachable, checking again as peers join"
+
+
+class Reachability:
+    """Finds out how others reach this peer (peer/net/dialback.py) and keeps it up to date: again
+    every RECHECK_UNKNOWN seconds while nobody could tell, every RECHECK seconds after. The
+    averager reads ``closed`` at the start of each round; heartbeats carry ``mode``."""
+
+    RECHECK_UNKNOWN = 10.0
+    RECHECK = 600.0
+
+    def __init__(self, dht: Any, say: Callable[[str], None], on_change: Callable[[Verdict], None]):
+        self.dht, self.say, self.on_change = dht, say, on_change
+        self.service = DialBackService()
+        self.verdict = Verdict(UNKNOWN, (), ())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.verdict.mode
+
+    def serve(self) -> None:
+        self.dht.run(self.service.serve(self.dht.p2p), timeout=10)
+
+    def check(self) -> Verdict:
+        """One check now (blocks up to ASK_TIMEOUT and a little more); reports a change."""
+        try:
+            ports = listen_ports(self.dht.visible_maddrs())
+            verdict = self.dht.run(dialback_check(self.dht.p2p, ports), timeout=ASK_TIMEOUT + 5)
+        except Exception as e:  # a slow daemon: keep what we knew
+            logger.info("reachability check failed: %r", e)
+            return self.verdict
+        if verdict.mode == UNKNOWN and self.verdict.mode != UNKNOWN:
+            return self.verdict  # nobody answered this time: what we knew still holds
+        changed = verdict.mode != self.verdict.mode
+        self.verdict = verdict
+        if changed:
+            self.say(describe(verdict))
+            self.on_change(verdict)
+        return verdict
+
+    def start(self) -> Reachability:
+        self._thread = threading.Thread(target=self._watch, name="hivetrain-reach", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.RECHECK_UNKNOWN if self.verdict.mode == UNKNOWN else self.RECHECK):
+            self.check()

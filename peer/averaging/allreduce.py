@@ -315,11 +315,13 @@ class AllReduceRunner:
         ours = held_statements(s)
         body = pack_all(ours)
         header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine)
-        sends = asyncio.ensure_future(self._send_all([(p, header, body) for p in s.order if p != ctx.me], strict=False))
+        voters = [p for p in s.order if p != ctx.me and s.reaches_us(p)]  # closed members cannot reach each other
+        sends = asyncio.ensure_future(self._send_all([(p, header, body) for p in voters], strict=False))
+        n = 1 + len(voters)
 
         def settled() -> bool:
             agree = 1 + sum(d == mine for d, _ in s.applied.values())
-            return 2 * agree > s.n or len(s.applied) == s.n - 1
+            return 2 * agree > n or len(s.applied) == n - 1
 
         try:
             await s.wait_for(settled, s.deadline, "applied reports")
@@ -330,9 +332,9 @@ class AllReduceRunner:
             for culprit, why in equivocators(s, member, ours, theirs):
                 self._convict(culprit, why)
         agree = 1 + sum(d == mine for d, _ in s.applied.values())
-        if 2 * agree <= s.n:  # a member not backed by a majority of its group applies nothing
+        if 2 * agree <= n:  # a member not backed by a majority of its group (those it hears) applies nothing
             others = Counter(d for d, _ in s.applied.values() if d != mine)
-            raise RoundFailed(f"only {agree} of {s.n} members applied what we did ({sum(others.values())} reported "
+            raise RoundFailed(f"only {agree} of {n} members applied what we did ({sum(others.values())} reported "
                               "something else): void, and re-sync")
 
     # ---- sending --------------------------------------------------------------------------------

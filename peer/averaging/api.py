@@ -4,7 +4,7 @@ arithmetic every member derives from shared data (shards, order, group hash)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,8 +90,9 @@ def shard_bounds(numel: int, group_size: int) -> list[tuple[int, int]]:
 
 
 def group_order(members: Sequence[str], round_: int, base_hash: str) -> tuple[str, ...]:
-    """The group's fixed order, derived by every member from shared data: member k reduces the
-    shards (pieces) j with j mod n = k and audits those with j mod n = k - 1. Ordering by a hash of
+    """The group's fixed order, derived by every member from shared data: of its members that can be
+    dialed (not closed), the k-th reduces the shards (pieces) j with j mod n = k and audits those
+    with j mod n = k - 1. Ordering by a hash of
     (round, base state, peer id) rotates the roles every round without letting any peer choose its place."""
     def key(peer_id: str) -> bytes:
         return hashlib.sha256(f"{round_}/{base_hash}/{peer_id}".encode()).digest()
@@ -99,5 +100,10 @@ def group_order(members: Sequence[str], round_: int, base_hash: str) -> tuple[st
     return tuple(sorted(set(members), key=key))
 
 
-def group_hash(members: Sequence[str], round_: int, base_hash: str) -> str:
-    return hashlib.sha256("\n".join([str(round_), base_hash, *members]).encode()).hexdigest()
+def group_hash(members: Sequence[str], round_: int, base_hash: str, closed: Collection[str] = ()) -> str:
+    """The group's name; it commits to which members are closed (outbound-only), since that decides
+    the roles: members that derived different roles must not take each other's messages."""
+    lines = [str(round_), base_hash, *members]
+    if closed:
+        lines += ["closed", *sorted(closed)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()

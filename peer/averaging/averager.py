@@ -119,7 +119,7 @@ class P2PAverager:
         flight: ``budget``); our ready record for the round expires later, so that it replaces
         this one (the DHT keeps the later expiration under one subkey)."""
         eta = time.time() + eta_s if eta_s else 0.0
-        ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta)
+        ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta, closed=self.ctx.closed)
         ttl = (eta_s or 0.0) + self.budget
         self.announced[round_] = time.time() + ttl
         for old in sorted(self.announced)[:-4]:  # bounded: recent rounds only
@@ -149,7 +149,7 @@ class P2PAverager:
             ctx.behaviour.at("after_matchmaking", round_)
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
                                    ctx.spec.audit, time.monotonic() + ctx.spec.allreduce_timeout,
-                                   ctx.spec.piece_values)
+                                   ctx.spec.piece_values, mm.closed_members(order))
             self.sessions[round_] = session
             self._mark_replays(session)
             outcome = await AllReduceRunner(ctx, session).run(delta)
@@ -247,14 +247,16 @@ class P2PAverager:
         round_, base = header["round"], header["base"]
         mm = self.matchmaking.get(round_)
         members, excluded = header["members"], header["excluded"]
-        request = Report(frozenset(members), frozenset(excluded))
+        request = Report(frozenset(members), frozenset(excluded), decided=header["decided"], closed=header["closed"])
         if mm is None or mm.view.base != base:
-            reply = Report(frozenset(), frozenset(), decided=round_ < self.current_round, ready=False)
+            reply = Report(frozenset(), frozenset(), decided=round_ < self.current_round, ready=False,
+                           closed=self.ctx.closed)
         else:
             reply = mm.on_view(sender, request)
         assert len(reply.members) <= MAX_GROUP and len(reply.excluded) <= MAX_GROUP
         return self.ctx.header("view_reply", round_, base, members=sorted(reply.members),
-                               excluded=sorted(reply.excluded), decided=reply.decided, ready=reply.ready), b""
+                               excluded=sorted(reply.excluded), decided=reply.decided, ready=reply.ready,
+                               closed=reply.closed), b""
 
     def _late(self, sender: str, header: dict[str, Any]) -> Reply:
         """A message of an earlier round. The same part again is a retry; another from a member of our

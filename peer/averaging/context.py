@@ -14,7 +14,7 @@ from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.link import Link, Traffic
 from hivetrain.peer.trust import Bans, Trust
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass
@@ -31,6 +31,7 @@ class PeerContext:
     traffic: Traffic = field(default_factory=Traffic)
     run: str = ""  # the spec hash, hex: every message carries it
     protocol: str = ""  # the stream protocol name
+    closed: bool = False  # nobody can dial us (peer/reach.py found out): we join groups as an outbound-only member
 
     def __post_init__(self) -> None:
         self.run = self.spec.spec_hash().hex()

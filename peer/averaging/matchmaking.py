@@ -52,7 +52,7 @@ class Matchmaking:
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str):
         self.ctx, self.board = ctx, board
-        self.view = View(round_, base, ctx.me)
+        self.view = View(round_, base, ctx.me, me_closed=ctx.closed)  # our reachability is fixed for the round
         self.changed = asyncio.Event()
         self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
         self.pending: dict[str, float] = {}  # announced, still computing -> the unix time it expects to be ready
@@ -86,14 +86,38 @@ class Matchmaking:
             await self._window(opened + spec.matchmaking_timeout)
             self.waited = time.monotonic() - opened
             group = await self._agree(time.monotonic() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
+            if self.view.me_closed and len(group) > 1:
+                await self._tell_decision(group)
         finally:
             announce.cancel()  # decided or failed: no more store retries for this round
         if len(group) < spec.min_group_size:
             raise RoundFailed(f"group of {len(group)} is below the run's minimum of {spec.min_group_size}")
         return group_order(group, self.view.round, self.view.base)
 
+    def closed_members(self, group: tuple[str, ...]) -> frozenset[str]:
+        """The members of our decided group that nobody can dial (their own claims; us included)."""
+        return frozenset(p for p in group if p in self.view.closed or (p == self.ctx.me and self.view.me_closed))
+
+    async def _tell_decision(self, group: tuple[str, ...]) -> None:
+        """We are closed: nobody asks us, so we tell the open members what we decided (once each, in
+        parallel); a member that adopted it or decided it already answers so; any other outcome
+        shows in the all-reduce (a member that decided otherwise refuses our part)."""
+        caps = self.caps()
+        header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(group), excluded=[],
+                                 closed=True, decided=True)
+
+        async def tell(peer: str) -> None:
+            try:
+                await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT, traffic=self.ctx.traffic)
+            except Exception as e:
+                logger.debug("telling %s our decision failed: %r", peer, e)
+
+        told = {p for p, r in self.view.reports.items() if r.decided and tuple(sorted(r.members)) == group}
+        await asyncio.gather(*(tell(p) for p in sorted(self.view.askable(group) - told, key=caps.priority)))
+
     async def _announce(self) -> None:
-        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=time.time())
+        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=time.time(),
+                      closed=self.view.me_closed)
         ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - time.time() + 1.0)
         end = time.monotonic() + self.ctx.spec.matchmaking_timeout
         while time.monotonic() < end:
@@ -122,6 +146,7 @@ class Matchmaking:
         pending: dict[str, float] = {}
         for r in records:
             if r.done and r.base == self.view.base:
+                self.view.mark(r.peer_id, r.closed)
                 if self.view.add(r.peer_id):
                     self.changed.set()
             elif r.done:
@@ -181,7 +206,7 @@ class Matchmaking:
                 view.decided = (view.me,)
                 break
             self.changed.clear()
-            ordered = sorted(asked | hints, key=caps.priority)
+            ordered = sorted(view.askable(asked | hints), key=caps.priority)  # closed members ask us instead
             answers = await asyncio.gather(*(self._ask(peer, caps) for peer in ordered))
             for a in answers:  # a hint that answers ready, from our base, is a candidate first-hand
                 if a.peer in hints and a.reply is not None and a.reply.ready and not a.reply.decided:
@@ -199,7 +224,7 @@ class Matchmaking:
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
-                                 excluded=sorted(mine.excluded))
+                                 excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False)
         reply = None
         for attempt in range(VIEW_ATTEMPTS):
             started = time.monotonic()
@@ -217,7 +242,7 @@ class Matchmaking:
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
             return _Ask(peer, None)
         return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
-                                 reply["ready"]))
+                                 reply["ready"], reply["closed"]))
 
     # ---- caps -----------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class Ready:
     spec: str
     done: bool = True  # false: announced ahead, still computing
     eta: float = 0.0  # unix time it expects to be ready (a claim: readers bound what they wait)
+    closed: bool = False  # nobody can dial it: an outbound-only member (peer/averaging/views.py)
 
 
 class ReadyBoard(Protocol):
@@ -45,7 +46,8 @@ def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope
     """The signed record. An announcement expires before the ready record that follows it, so the
     DHT (which keeps the later expiration under one subkey) never lets it replace that one."""
     payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
-                                           spec_hash=ready.spec, done=ready.done, eta=float(ready.eta)))
+                                           spec_hash=ready.spec, done=ready.done, eta=float(ready.eta),
+                                           closed=ready.closed))
     return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, time.time() + ttl)
 
 
@@ -56,7 +58,7 @@ def verified(envelope: Envelope) -> Ready | None:
     except InvalidRecord:
         return None
     return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"], fields["done"],
-                 fields["eta"])
+                 fields["eta"], fields.get("closed", False))
 
 
 class DHTReadyBoard:

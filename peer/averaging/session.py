@@ -2,7 +2,9 @@
 
 The vector is cut into n x P contiguous shards ("pieces", P per member, sized by the run's
 ``piece_values``): member k of the group order reduces shard j when j mod n = k, and audits it
-when j mod n = k + 1. Every slot below is per shard.
+when j mod n = k + 1. Here n counts the members that can be dialed; closed (outbound-only)
+members send their parts and receive results and verdicts, and reduce and audit nothing. Every
+slot below is per shard.
 
 A session exists only for a group this peer decided itself (peer/averaging/matchmaking.py), so
 every message it accepts comes from a member, and each slot takes one message from the one member
@@ -90,17 +92,23 @@ class Intake:
 
 class RoundSession:
     def __init__(self, run: str, round_: int, base: str, order: tuple[str, ...], me: str, numel: int,
-                 codec: Codec, audits: bool, deadline: float, piece_values: int | None = None):
+                 codec: Codec, audits: bool, deadline: float, piece_values: int | None = None,
+                 closed: frozenset[str] = frozenset()):
         self.run, self.round, self.base, self.order, self.me = run, round_, base, order, me
         self.codec, self.numel, self.deadline = codec, numel, deadline
-        self.group = group_hash(order, round_, base)
+        self.closed = closed & set(order)  # outbound-only members: nobody dials them, they reduce and audit nothing
+        self.group = group_hash(order, round_, base, self.closed)
         self.n = len(order)
-        self.pieces = pieces_per_member(numel, self.n, piece_values) if piece_values else 1
-        self.units = self.n * self.pieces  # shards of the round
+        self.reducers = tuple(p for p in order if p not in self.closed) or (order if self.n == 1 else ())
+        if not self.reducers:
+            raise RoundFailed("no member of the group can be dialed: nobody can reduce")
+        nr = len(self.reducers)
+        self.pieces = pieces_per_member(numel, nr, piece_values) if piece_values else 1
+        self.units = nr * self.pieces  # shards of the round
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
-        self.audit = audits and self.n >= 2
-        self.mine = [k for k in range(self.units) if k % self.n == self.index]  # shards we reduce
+        self.audit = audits and nr >= 2
+        self.mine = [k for k in range(self.units) if self.reducer(k) == me]  # shards we reduce
         self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
         self.shards = [ShardState() for _ in range(self.units)]
         self.applied: dict[str, tuple[str, list[Statement]]] = {}  # member -> (digest, its statements)
@@ -111,10 +119,14 @@ class RoundSession:
     # ---- roles and sizes ------------------------------------------------------------------------
 
     def reducer(self, k: int) -> str:
-        return self.order[k % self.n]
+        return self.reducers[k % len(self.reducers)]
 
     def auditor(self, k: int) -> str | None:
-        return self.order[(k + 1) % self.n] if self.audit else None
+        return self.reducers[(k + 1) % len(self.reducers)] if self.audit else None
+
+    def reaches_us(self, peer: str) -> bool:
+        """Whether ``peer``'s messages can reach us: a closed member cannot dial another closed one."""
+        return not (peer in self.closed and self.me in self.closed)
 
     def shard_nbytes(self, k: int) -> int:
         start, end = self.bounds[k]

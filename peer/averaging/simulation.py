@@ -63,21 +63,25 @@ class LocalSwarm:
     """``size`` peers of one run; ``all_reduce`` runs one round for all (or some) of them at once."""
 
     def __init__(self, spec: RunSpec, numel: int, size: int, behaviours: dict[int, Behaviour] | None = None,
-                 addrs: Sequence[str] | None = None):
+                 addrs: Sequence[str] | None = None, behind_nat: Sequence[int] = ()):
         self.spec, self.numel = spec, numel
         self.loop = LoopThread()
         self.net = MemoryNetwork()
         self.board = MemoryReadyBoard()
         self.peers: list[P2PAverager] = []
         for i in range(size):
-            self.add_peer((behaviours or {}).get(i, HONEST), None if addrs is None else addrs[i])
+            self.add_peer((behaviours or {}).get(i, HONEST), None if addrs is None else addrs[i], nat=i in behind_nat)
 
-    def add_peer(self, behaviour: Behaviour = HONEST, addr: str | None = None, identity: Identity | None = None) -> int:
+    def add_peer(self, behaviour: Behaviour = HONEST, addr: str | None = None, identity: Identity | None = None,
+                 nat: bool = False) -> int:
+        """A new peer; ``nat``: behind a NAT (nobody can dial it) and knows it, like a probed real peer."""
         identity = identity or Identity.generate()
         link = self.net.link(identity.peer_id, addr)
+        if nat:
+            self.net.behind_nat.add(identity.peer_id)
         ef = ErrorFeedback(self.numel) if self.spec.error_feedback and self.spec.compression == "int8" else None
         ctx = PeerContext(self.spec, self.numel, get_codec(self.spec.compression, self.spec.chunk_size), link,
-                          identity, Trust(), Bans(), behaviour, ef)
+                          identity, Trust(), Bans(), behaviour, ef, closed=nat)
         self.peers.append(P2PAverager(ctx, self.board, self.loop).start())
         return len(self.peers) - 1
 
@@ -98,7 +102,7 @@ class LocalSwarm:
             for i, b in zip(who, base_of, strict=True):
                 peer = self.peers[i].ctx
                 await self.board.publish(peer.identity, Ready(peer.me, round_, b, peer.run, done=False,
-                                                              eta=time.time()), 1.0)
+                                                              eta=time.time(), closed=peer.closed), 1.0)
             return await asyncio.gather(*(self.peers[i].average_async(round_, b, d)
                                           for i, b, d in zip(who, base_of, deltas, strict=True)),
                                         return_exceptions=True)

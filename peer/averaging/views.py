@@ -20,6 +20,15 @@ disagrees itself, then to the lower priority (earned trust first, then a hash ra
 So a stranger that excludes an established member only removes itself, and so does a peer that
 answers with a view it never converges on. A decision another peer reports is adopted only if it
 contains us, lies inside our own effective view and passes our caps.
+
+*Closed* peers (nobody can dial them: behind a NAT, peer/reach.py) are outbound-only members.
+Nobody asks a closed peer for its view; it asks the others. So an open peer takes a closed
+member's own last request as its report, and needs it to match, like an answer. A closed peer
+cannot hear the other closed members: when its view holds any, it adopts the decision of an open
+member, which heard them all first-hand; otherwise it decides like anyone, on the answers of all
+the others, and then tells them (a request marked decided), since nobody will ask it. Whether a peer is closed is its own
+claim, first-hand (its signed ready record, its requests and answers); the claim decides only
+what the group derives from it: closed members reduce and audit nothing (session.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ Priority = Callable[[str], tuple[float, bytes]]  # smaller sorts first = kept fi
 MAX_HINTS = 2 * MAX_GROUP  # peers named by others that we ask per round; names beyond are ignored
 STRIKES = 3  # sweeps a member may disagree with a view of ours that stands still, before we act ...
 PATIENCE = 1.5  # ... and seconds: a member slowed by a busy machine must not look like a liar
+SILENCE = 6.0  # seconds a closed member may take to ask us at all (it may still be waiting for others)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Report:
     excluded: frozenset[str]
     decided: bool = False
     ready: bool = True  # False: it is not forming this round's group from this base
+    closed: bool = False  # nobody can dial the reporter
 
     def effective(self) -> frozenset[str]:
         return self.members - self.excluded
@@ -65,6 +76,8 @@ class View:
     strikes: dict[str, tuple[int, float]] = field(default_factory=dict)  # member -> (sweeps, since) of disagreement
     decided: tuple[str, ...] | None = None
     abandoned: bool = False  # the round failed for us: we answer "decided without you" from now on
+    closed: set[str] = field(default_factory=set)  # peers that say nobody can dial them (bounded like candidates)
+    me_closed: bool = False  # nobody can dial us (fixed for the round)
 
     def effective(self) -> frozenset[str]:
         return frozenset((self.candidates | {self.me}) - set(self.excluded) - set(self.capped))
@@ -75,6 +88,17 @@ class View:
             return False  # the cap bounds memory; which peers count is decided by the caps on effective()
         self.candidates.add(peer)
         return True
+
+    def mark(self, peer: str, closed: bool) -> None:
+        """A peer's own, first-hand claim of whether it can be dialed (its latest one counts)."""
+        if not closed:
+            self.closed.discard(peer)
+        elif peer != self.me and len(self.closed) < 4 * MAX_GROUP:
+            self.closed.add(peer)
+
+    def askable(self, peers: Iterable[str]) -> frozenset[str]:
+        """The peers we ask for their view: nobody dials a closed peer."""
+        return frozenset(peers) - self.closed - {self.me}
 
     def exclude(self, peer: str, why: str) -> bool:
         """Leaves ``peer`` out for good (first-hand: it failed us, or a disagreement we resolved)."""
@@ -169,6 +193,8 @@ def settle(view: View, caps: Caps) -> frozenset[str]:
     effective view, which then has at most ``caps.max_size`` members."""
     kept, dropped = caps.apply((view.candidates | {view.me}) - set(view.excluded))
     view.capped = dropped
+    if view.me_closed and not view.askable(kept):  # a group needs a member that others can dial: ours alone
+        return frozenset({view.me})
     return frozenset(kept)
 
 
@@ -177,18 +203,22 @@ def outgoing(view: View, caps: Caps) -> Report:
     (candidates and reporters), each list at most ``MAX_GROUP`` long, highest priority first."""
     effective = settle(view, caps)
     interest = (view.candidates | set(view.reports)) & (set(view.excluded) | set(view.capped))
-    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]))
+    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]), closed=view.me_closed)
 
 
 def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None], caps: Caps, now: float) -> Step:
-    """Folds the replies to one sweep of view requests (sent to ``asked``: our effective view minus
-    us, at the time) into ``view``; returns the decision, if any, and the peers to ask next.
+    """Folds the replies to one sweep of view requests (about ``asked``: our effective view minus
+    us, at the time; its closed members are not asked, their own requests count) into ``view``;
+    returns the decision, if any, and the peers to ask next.
 
     Hints (peers others name) are asked once each, at most MAX_HINTS per round. A member whose
     answer differs from a view of ours that stood still for STRIKES sweeps and PATIENCE seconds
     (``now`` is monotonic seconds) is dealt with (``resolve_disagreement``): nothing honest
     disagrees that long, and a peer that answers with a view it never converges on must not stall
     the others until their deadline."""
+    if view.decided is not None:  # adopted meanwhile (a closed member told us its decision)
+        return Step(view.decided)
+    excluded_before = len(view.excluded)
     named: set[str] = set()
     known = view.candidates | set(view.excluded) | view.tried | {view.me}
     for peer, reply in replies.items():
@@ -196,6 +226,7 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             view.exclude(peer, "did not answer our view request")
             continue
         view.reports[peer] = reply
+        view.mark(peer, reply.closed)
         if not reply.ready:
             view.exclude(peer, "not forming this round's group from our base")
         elif reply.decided and view.me not in reply.members:
@@ -205,17 +236,32 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             if group <= view.effective() and caps.accepts(group):
                 view.decided = tuple(sorted(group))
                 return Step(view.decided)
+            if view.me_closed and not group & set(view.excluded) and view.me in group:
+                continue  # members we cannot ask and have not seen on the board yet: it will show them
             if not group - known or len(view.tried) >= MAX_HINTS:
                 view.exclude(peer, "decided a group we cannot accept")
             named.update(group - known)
         else:
             named.update(reply.members - known)
+        if view.me_closed:  # closed peers we cannot ask: an open member that heard them (or not) decides
+            for gone in sorted(reply.excluded & view.closed):
+                view.exclude(gone, f"a closed peer that {peer} left out (we cannot ask it ourselves)")
     hints = frozenset(sorted(named, key=caps.priority)[: max(0, MAX_HINTS - len(view.tried))])
     view.tried.update(hints)
     members = settle(view, caps)
     everyone = asked | {view.me}
     disagree = [p for p, r in replies.items() if p in members and (r is None or r.decided or r.effective() != everyone)]
-    if not disagree and not hints and members == everyone:
+    quiet: set[str] = set()  # closed members that never asked us
+    if not view.me_closed:  # closed members are not asked: their last request must match, like an answer
+        for p in sorted((asked & members) - view.askable(asked)):
+            if (r := view.reports.get(p)) is None or r.effective() != everyone:
+                disagree.append(p)
+                if r is None:
+                    quiet.add(p)
+    # A closed peer cannot hear the other closed members: if there are any, it adopts the decision
+    # of an open member, which heard them all first-hand (above); it never decides on its own.
+    vouched = not view.me_closed or members <= view.askable(members) | {view.me}
+    if not disagree and not hints and members == everyone and vouched:
         view.decided = tuple(sorted(members))
         return Step(view.decided)
     if hints or members != everyone:  # our view moved: everyone gets time to catch up with it
@@ -224,9 +270,15 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
     for peer in disagree:
         sweeps, since = view.strikes.get(peer, (0, now))
         view.strikes[peer] = (sweeps + 1, since)
-    ripe = [p for p in disagree if view.strikes[p][0] >= STRIKES and now - view.strikes[p][1] >= PATIENCE]
+    ripe = [p for p in disagree if view.strikes[p][0] >= STRIKES
+            and now - view.strikes[p][1] >= (SILENCE if p in quiet else PATIENCE)]
+    for p in ripe:
+        if p in quiet:  # crashed, or cannot reach us: like a peer that does not answer
+            view.exclude(p, f"a closed member that did not ask us for our view in {SILENCE:g} s")
+    ripe = [p for p in ripe if p not in quiet]
     if ripe:
         resolve_disagreement(view, ripe, caps.priority)
+    if ripe or len(view.excluded) > excluded_before:
         view.strikes.clear()
     return Step(None, hints)
 
@@ -238,11 +290,18 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
     if view is None or caps is None:
         return Report(frozenset(), frozenset(), decided=False, ready=False)
     if view.abandoned:
-        return Report(frozenset(), frozenset(), decided=True)
+        return Report(frozenset(), frozenset(), decided=True, closed=view.me_closed)
     if view.decided is not None:
-        return Report(frozenset(view.decided), frozenset(), decided=True)
+        return Report(frozenset(view.decided), frozenset(), decided=True, closed=view.me_closed)
     if caps.banned(sender):
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too
+        view.mark(sender, request.closed)
         view.reports[sender] = request
+        if request.decided:  # a closed member's decision: nobody asks it, so it tells us
+            group = request.members
+            if view.me in group and group <= view.effective() and caps.accepts(group):
+                view.decided = tuple(sorted(group))
+                return Report(group, frozenset(), decided=True, closed=view.me_closed)
+            view.exclude(sender, "decided a group we cannot accept")
     return outgoing(view, caps)

@@ -105,7 +105,9 @@ class MemoryNetwork:
     addrs: dict[str, str] = field(default_factory=dict)  # peer -> the address others see it at
     bytes_moved: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)  # peer -> bytes/s of its uplink, shared by its streams
+    behind_nat: set[str] = field(default_factory=set)  # dialed only over connections they opened themselves
     _uplinks: dict[str, _Uplink] = field(default_factory=dict)
+    _conns: set[tuple[str, str]] = field(default_factory=set)  # (dialer, dialed): connections, kept open
 
     def link(self, peer_id: str, addr: str | None = None) -> MemoryLink:
         link = MemoryLink(self, peer_id)
@@ -116,6 +118,15 @@ class MemoryNetwork:
 
     def is_cut(self, a: str, b: str) -> bool:
         return a in self.cut or b in self.cut
+
+    def dial(self, a: str, b: str) -> bool:
+        """Whether ``a`` can open a stream to ``b``: as a NAT does, a peer behind one takes streams
+        only over a connection it opened; any successful dial keeps its connection."""
+        if self.is_cut(a, b) or (b in self.behind_nat and (b, a) not in self._conns):
+            return False
+        if (b, a) not in self._conns:
+            self._conns.add((a, b))
+        return True
 
     def delay_of(self, a: str, b: str) -> float:
         return self.delays.get(a, 0.0) + self.delays.get(b, 0.0)
@@ -141,7 +152,7 @@ class MemoryLink:
 
     async def open(self, peer: str, protocol: str, timeout: float) -> tuple[asyncio.StreamReader, Any]:
         remote = self.net.links.get(peer)
-        if remote is None or self.net.is_cut(self.me, peer) or protocol not in remote._servers:
+        if remote is None or protocol not in remote._servers or not self.net.dial(self.me, peer):
             raise ConnectionRefusedError(f"cannot reach {peer} ({protocol})")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
         server_writer = _PipeWriter(to_client, self.net, peer, self.me)

@@ -28,6 +28,7 @@ MAGIC = b"HTW3"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 16 * 1024
 MAX_GROUP = 64  # members of one group, and peer ids in one list
+MAX_DIALBACK_PORTS = 4  # ports one reachability check may name
 MAX_PIECES = 1024  # shards (pieces) of one round's all-reduce, in all
 MAX_REASON = 280  # characters of a human-readable reason
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -98,10 +99,12 @@ _MEMBER = _int(0, MAX_GROUP - 1)
 _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(), "base": _hex64}
 _SESSION = {**_COMMON, "group": _hex64}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
-    # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with)
-    "view": {**_COMMON, "members": _peers, "excluded": _peers},
+    # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with);
+    # closed: nobody can dial the sender (an outbound-only member); decided: members is the group it decided
+    "view": {**_COMMON, "members": _peers, "excluded": _peers, "closed": _bool, "decided": _bool},
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
-    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool},
+    "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool,
+                   "closed": _bool},
     # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor)
     "part": {**_SESSION, "shard": _SHARD, "digest": lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v))
              and len(v) == 32},
@@ -121,6 +124,11 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "state_req": {**_COMMON, "index": _int(-1, 2**31)},
     "state_resp": {**_COMMON, "index": _int(-1, 2**31), "ok": _bool, "reason": _text},
     "ack": {**_COMMON, "code": _int(0, max(Code)), "reason": _text},
+    # reachability (peer/net/dialback.py): "dial my address at these TCP ports", and whether it worked
+    "dialback": {"type": lambda v: isinstance(v, str),
+                 "ports": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_DIALBACK_PORTS
+                 and all(_int(1, 65535)(p) for p in v)},
+    "dialback_reply": {"type": lambda v: isinstance(v, str), "checked": _bool, "ok": _bool, "reason": _text},
 }
 
 

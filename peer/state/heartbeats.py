@@ -9,6 +9,7 @@ A heartbeat is a ``hb`` record (dht/records.py) with the fields
     throughput  tokens per second of its last round (0.0 before the first)
     train_loss  mean training loss of its last round, or None
     eval_loss   held-out loss at this state, or None
+    reach       how others reach it: direct, outbound_only or unknown (peer/net/dialback.py); may be absent
 
 One libp2p identity publishes one heartbeat (the DHT keeps one value per signer), and readers keep
 only heartbeats bound to their signer (``records.decode_bound``), so a heartbeat is one identity's
@@ -62,10 +63,11 @@ class HeartbeatPublisher:
     def __init__(self, dht: DHT, identity: Identity, run_key: str, ttl: float, warn: Callable[[str], None]):
         self.dht, self.identity, self.run_key, self.ttl, self.warn = dht, identity, run_key, ttl, warn
         self._pending: concurrent.futures.Future[bool] | None = None
+        self.extra: dict[str, Any] = {}  # fields every heartbeat carries (``reach``: how others reach us)
 
     def __call__(self, **fields: Any) -> None:
         try:
-            envelope = heartbeat_envelope(self.identity, self.run_key, self.ttl, **fields)
+            envelope = heartbeat_envelope(self.identity, self.run_key, self.ttl, **{**self.extra, **fields})
         except (DHTError, PeerError) as e:  # a field our schema refuses: training goes on, the next round publishes again
             self.warn(f"warning: heartbeat not published ({e})")
             return

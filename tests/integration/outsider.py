@@ -106,7 +106,7 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
     node = await DHTNode.create(p2p=p2p, initial_peers=[maddr], client_mode=True)
     sybils = [Key() for _ in range(3)]
     log["sybils"] = [s.peer_id for s in sybils]
-    protocol = f"hivetrain/avg/3/{spec_hash[:32]}"
+    protocol = f"hivetrain/avg/4/{spec_hash[:32]}"
     end = time.monotonic() + seconds
     stalled: list[Any] = []
     try:
@@ -149,7 +149,7 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                                digest=os.urandom(16).hex())),
                     "view naming 64 made-up members": (lambda h: PREFIX.pack(MAGIC, len(h), 0) + h)(
                         header("view", spec_hash, current, base, members=[Key().peer_id for _ in range(64)],
-                               excluded=[])),
+                               excluded=[], closed=False, decided=False)),
                 }
                 for name, data in tries.items():
                     log["frames"].setdefault(name, []).append(await frame(p2p, peer, protocol, data))

@@ -79,7 +79,7 @@ async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
     from hivetrain.peer.net.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
 
     attacker = await P2P.create(initial_peers=[maddr])
-    handler = f"hivetrain/avg/3/{spec_hash[:32]}"
+    handler = f"hivetrain/avg/4/{spec_hash[:32]}"
     victim = PeerID.from_base58(maddr.rsplit("/", 1)[1])
     out: dict[str, object] = {}
     try:

@@ -56,7 +56,7 @@ class Harness:
             if not asked and not hints[me]:
                 view.decided = (me,)
                 continue
-            replies = {p: self.ask(me, p) for p in sorted(asked | hints[me])}
+            replies = {p: self.ask(me, p) for p in sorted(view.askable(asked | hints[me]))}
             for p, r in replies.items():
                 if p in hints[me] and r is not None and r.ready and not r.decided:
                     view.add(p)
@@ -189,3 +189,44 @@ def test_peers_that_cannot_reach_each_other_split_without_attackers_winning() ->
     for p, g in got.items():
         assert g is not None and p in g
         assert not {"p0", "p2"} <= set(g)
+
+
+def _closed_harness(peers: list[str], closed: set[str], candidates: dict[str, set[str]]) -> Harness:
+    """Closed peers cannot be dialed (nobody asks them; Harness.ask never reaches them) and say so."""
+    h = Harness(peers, candidates, unreachable={(a, b) for a in closed for b in closed if a != b})
+    for v in h.views.values():
+        v.me_closed = v.me in closed
+        for c in closed:
+            v.mark(c, True)  # from their signed ready records
+    return h
+
+
+def test_closed_peers_agree_with_each_other_through_the_open_ones() -> None:
+    peers = ["o0", "o1", "c0", "c1", "c2"]
+    h = _closed_harness(peers, {"c0", "c1", "c2"}, {p: set(peers) for p in peers})
+    got = h.run()
+    assert set(got.values()) == {tuple(sorted(peers))}, got
+
+
+def test_a_closed_member_that_never_asks_is_left_out_and_the_rest_agree() -> None:
+    peers = ["o0", "o1", "c0", "c1"]
+    h = _closed_harness(peers, {"c0", "c1", "gone"}, {p: {*peers, "gone"} for p in peers})
+    got = h.run(40)
+    assert set(got.values()) == {tuple(sorted(peers))}, got
+    assert "did not ask us" in h.views["o0"].excluded["gone"]
+
+
+def test_closed_peers_without_an_open_one_go_alone() -> None:
+    h = _closed_harness(["c0", "c1"], {"c0", "c1"}, {"c0": {"c1"}, "c1": {"c0"}})
+    assert h.run() == {"c0": ("c0",), "c1": ("c1",)}
+
+
+def test_a_closed_peers_decision_is_adopted_only_inside_the_open_peers_view() -> None:
+    view = View(ROUND, BASE, "o0", {"o1", "c0"})
+    caps = caps_for("o0")
+    told = Report(frozenset({"o0", "o1", "c0"}), frozenset(), decided=True, closed=True)
+    answer(view, "c0", told, caps)
+    assert view.decided == ("c0", "o0", "o1") and "c0" in view.closed
+    other = View(ROUND, BASE, "o0", {"o1", "c0"})
+    answer(other, "c0", Report(frozenset({"o0", "c0", "stranger"}), frozenset(), decided=True, closed=True), caps)
+    assert other.decided is None and "cannot accept" in other.excluded["c0"]
