@@ -25,7 +25,15 @@ from typing import Any
 
 from hivetrain.dht.diagnose import family, tcp_endpoint
 from hivetrain.dht.errors import BootstrapError
-from hivetrain.peer.net.dialback import ASK_TIMEOUT, DIRECT, OUTBOUND_ONLY, UNKNOWN, DialBackService, Verdict, listen_ports
+from hivetrain.peer.net.dialback import (
+    ASK_TIMEOUT,
+    DIRECT,
+    OUTBOUND_ONLY,
+    UNKNOWN,
+    DialBackService,
+    Verdict,
+    listen_ports,
+)
 from hivetrain.peer.net.dialback import check as dialback_check
 
 LISTEN_FILE = "listen.json"
