@@ -130,8 +130,9 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                          timeout=options.dht_timeout)).start()
     if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
         reach.remember(options.state_dir, hosts, dht.visible_maddrs())
-    reachability: reach.Reachability | None = None
+    reachability = reach.Reachability(dht, say, lambda verdict: None)
     try:
+        reachability.serve()  # before anyone learns our address: a joiner may check with us at once
         run_key, spec, corpus = open_run(dht, options, choice, say)
         announce(dht, run_key, spec, say, info_file)
         with torch.device("meta"):  # the parameter count only: no memory, no initialisation
@@ -145,11 +146,8 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
             heartbeat.extra["reach"] = verdict.mode
 
-        reachability = reach.Reachability(dht, say, reached)
-        reachability.serve()
-        if reachability.check().mode == dialback.UNKNOWN:
-            say(reach.describe(reachability.verdict))
-            reached(reachability.verdict)
+        reachability.on_change = reached
+        reachability.first_check()
         reachability.start()
         sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, behaviour).start()
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
@@ -179,8 +177,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         finally:
             metrics.close()
     finally:
-        if reachability is not None:
-            reachability.stop()
+        reachability.stop()
         _shutdown_with_deadline(dht)
 
 

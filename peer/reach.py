@@ -152,7 +152,8 @@ def describe(verdict: Verdict) -> str:
                 f"at port {port}): we send our parts and receive results over our own connections, and reduce and "
                 f"audit nothing. To do those too, forward TCP port {port} on your router to this machine and "
                 f"restart with --announce-maddrs /ip4/<your public ip>/tcp/{port}")
-    return "reachability: not known yet (no peer to check with); acting as reachable, checking again as peers join"
+    why = f"none of {verdict.asked} peers answered our check" if verdict.asked else "no peer to check with"
+    return f"reachability: not known yet ({why}); acting as reachable, checking again as peers join"
 
 
 class Reachability:
@@ -176,6 +177,18 @@ class Reachability:
 
     def serve(self) -> None:
         self.dht.run(self.service.serve(self.dht.p2p), timeout=10)
+
+    def first_check(self, tries: int = 3, pause: float = 1.0) -> Verdict:
+        """The check at start-up: asked peers that did not answer (their handler may not be up
+        yet) are asked again, up to ``tries`` times; says the outcome either way."""
+        for attempt in range(tries):
+            verdict = self.check()
+            if verdict.mode != UNKNOWN or not verdict.asked or attempt + 1 == tries or self._stop.wait(pause):
+                break
+        if verdict.mode == UNKNOWN:
+            self.say(describe(verdict))
+            self.on_change(verdict)
+        return verdict
 
     def check(self) -> Verdict:
         """One check now (blocks up to ASK_TIMEOUT and a little more); reports a change."""

@@ -46,6 +46,7 @@ class Verdict:
     mode: str  # DIRECT, OUTBOUND_ONLY or UNKNOWN
     answers: tuple[tuple[str, bool], ...]  # (peer asked, whether it could dial us)
     ports: tuple[int, ...]
+    asked: int = 0  # peers asked (some may not have answered)
 
 
 def listen_ports(maddrs: Sequence[str]) -> list[int]:
@@ -150,4 +151,4 @@ async def check(p2p: Any, ports: Sequence[int], peers: Sequence[str] | None = No
     answers = [(p, ok) for p, ok in await asyncio.gather(*(ask(p) for p in asked)) if ok is not None]
     yes = sum(ok for _, ok in answers)
     mode = UNKNOWN if not answers else DIRECT if 2 * yes > len(answers) else OUTBOUND_ONLY
-    return Verdict(mode, tuple(answers), tuple(ports))
+    return Verdict(mode, tuple(answers), tuple(ports), len(asked))

@@ -93,6 +93,15 @@ def read_heartbeats(dht: DHT, run_key: str) -> list[dict[str, Any]]:
     return out
 
 
+def reach_mix(heartbeats: list[dict[str, Any]]) -> dict[str, int]:
+    """How many of the run's peers say they are reached how (``reach``; "unknown" when left out)."""
+    mix: dict[str, int] = {}
+    for hb in heartbeats:
+        mode = hb.get("reach", "unknown")
+        mix[mode] = mix.get(mode, 0) + 1
+    return mix
+
+
 def attestations(heartbeats: list[dict[str, Any]]) -> list[Attestation]:
     """Fork choice's view of verified heartbeats: (peer, round, hash, parent)."""
     return [Attestation(hb["peer_id"], State(hb["round"], hb["state_hash"], hb["parent"])) for hb in heartbeats]

@@ -48,7 +48,7 @@ from hivetrain.peer.state.choose import (
     plan_contacts,
     vote_key,
 )
-from hivetrain.peer.state.heartbeats import attestations, read_heartbeats
+from hivetrain.peer.state.heartbeats import attestations, reach_mix, read_heartbeats
 from hivetrain.peer.state.snapshot import (
     PIECE_SIZE,
     ZERO,
@@ -61,6 +61,8 @@ from hivetrain.peer.state.snapshot import (
 )
 from hivetrain.peer.trust import Trust
 
+REACH_WORDS = {"direct": "reachable directly", "outbound_only": "outbound-only (behind NAT)",
+               "unknown": "not known"}
 logger = logging.getLogger(__name__)
 V = TypeVar("V")
 PIECE_TIMEOUT = 30.0  # seconds for one 1 MiB piece (a donor slower than ~35 KB/s is dropped)
@@ -103,6 +105,7 @@ class StateSync:
         self._served: dict[str, Snapshot] = {}  # state hash -> snapshot; the last two rounds
         self._serving, self._by_peer = 0, Counter[str]()
         self._salt = os.urandom(16)  # a joiner's secret: which attesters of a state it samples
+        self.reach: dict[str, int] = {}  # how the run's peers say they are reached, per mode (last read)
         self.last_download: dict[str, Any] = {}
 
     def start(self) -> StateSync:
@@ -161,7 +164,9 @@ class StateSync:
         """Fork choice over the run's heartbeats (training thread): the established rule if
         ``weights`` (earned trust) has anyone, else the joiner's, after contacting attesters.
         Raises DHTError or PeerError if the heartbeats cannot be read."""
-        found = attestations(read_heartbeats(self.dht, self.run_key))
+        heartbeats = read_heartbeats(self.dht, self.run_key)
+        self.reach = reach_mix(heartbeats)
+        found = attestations(heartbeats)
         if weights:
             # we count as much as the peer we trust most (1 once we completed a round with anyone; see
             # peer/trust.py on why trust does not keep growing)
@@ -313,6 +318,7 @@ class StateKeeper:
         self._boundary = time.monotonic()  # when we last reached a round boundary
         self._poisoned: dict[str, None] = {}  # state hashes refused for NaN/Inf
         self._named: dict[str, None] = {}  # peers whose refused claims we already logged
+        self._reach: dict[str, int] = {}  # the run's reachability mix we last reported
         self._seen: dict[str, tuple[int, float]] = {}  # trusted peer -> (round, monotonic time) last accepted
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         # (round, base) -> None: announces that we will train that round (set by the caller; see catch_up)
@@ -331,6 +337,10 @@ class StateKeeper:
         except (PeerError, DHTError) as e:  # e.g. a DHT read past its timeout: train on, look again next round
             self.log(f"could not read the run's attestations ({e}); keeping our state this round")
             return None
+        if self.sync.reach and self.sync.reach != self._reach:
+            self._reach = dict(self.sync.reach)
+            self.log("peers of the run, as their heartbeats say: " + ", ".join(
+                f"{n} {REACH_WORDS.get(mode, mode)}" for mode, n in sorted(self._reach.items())))
         for peer, seen_round in choice.seen:
             _note(self._seen, peer, (seen_round, now))
         for peer, why in choice.refused:

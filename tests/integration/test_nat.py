@@ -1,4 +1,4 @@
-"""Peers behind NAT routers in network namespaces (natnet.py), no port forwarding: each finds out
+"""Peers behind NAT routers in network namespaces (bench/natnet.py), no port forwarding: each finds out
 that nobody can dial it (peer/net/dialback.py) and trains as an outbound-only member."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .natnet import NatNet
+from bench.natnet import NatNet
 
 FAST = ["--sync-every", "4", "--allreduce-timeout", "12", "--matchmaking-timeout", "6", "--dht-timeout", "8"]
 ROUNDS = 6
@@ -79,7 +79,10 @@ def _check_rounds(owner: Any, nated: list[Any], min_together: int) -> None:
         assert both, (p.records(), owner.records())
         for r in both:
             assert r["state_hash"] == owner_rounds[r["round"]]["state_hash"], (r, owner_rounds[r["round"]])
-    assert "behind NAT" not in owner.log.read_text()
+    owner_log = owner.log.read_text()
+    assert "reachability: behind NAT" not in owner_log
+    # every peer publishes how it is reached: the owner counts the NATed ones from their heartbeats
+    assert f"{len(nated)} outbound-only (behind NAT)" in owner_log, owner_log[-3000:]
 
 
 @pytest.mark.slow

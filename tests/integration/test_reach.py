@@ -3,7 +3,13 @@ with real peers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from .conftest import run_cli, wait_until
@@ -70,3 +76,32 @@ def test_bootstrap_errors_say_what_is_wrong_in_plain_words(swarm, tmp_path: Path
     line = one_line(run_cli("start", "--run", "plain." + "a" * 32, "--initial-peers", closed, "--dht-timeout", "5",
                             "--state-dir", str(tmp_path / "b")))
     assert "nothing listens at 127.0.0.1 port" in line and "daemon" not in line.lower(), line
+
+
+def test_a_stock_hivemind_dht_node_works_as_the_initial_peer(swarm, tmp_path: Path) -> None:
+    """``hivemind-dht`` from the hivemind package (no hivetrain code) as the only bootstrap node: the
+    owner publishes its run through it, a joiner finds the spec and the owner through it, and they train."""
+    log = tmp_path / "stock.log"
+    with open(log, "wb") as out:
+        stock = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "hivemind-dht"), "--host_maddrs",
+                                  "/ip4/127.0.0.1/tcp/0", "--refresh_period", "5"], stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"--initial_peers (/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)",
+                                      re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")))):
+            assert stock.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        stock_maddr = found.group(1)
+        rounds = ["--max-rounds", "3", "--wait-for-peers", "2", "--target-group-size", "2", "--quiet", *FAST]
+        owner = swarm("p0", "--new-run", "stock", "--initial-peers", stock_maddr, *rounds)
+        run_key = owner.wait_info()["run_key"]
+        joiner = swarm("p1", "--run", run_key, "--initial-peers", stock_maddr, *rounds)
+        for p in (owner, joiner):
+            assert p.wait(180) == 0, p.log.read_text()[-3000:]
+        owner_id = owner.records("start")[0]["peer_id"]
+        assert any(not r["void"] and owner_id in r["group"] and r["group_size"] == 2 for r in joiner.records()), \
+            joiner.records()
+    finally:
+        os.killpg(stock.pid, signal.SIGKILL)
+        stock.wait(10)

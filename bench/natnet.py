@@ -1,4 +1,4 @@
-"""Test hosts behind NAT routers, in network namespaces (docs/REACH.md, "Topology").
+"""Hosts behind NAT routers, in network namespaces (docs/REACH.md, "Topology"): bench.reach and the NAT tests.
 
 One "public" segment (a bridge in its own namespace, ``<public>.0/24``) holds public hosts and the
 public legs of NAT routers. Each router has a private LAN (``192.168.X.0/24``, a bridge inside the
@@ -25,6 +25,8 @@ import shutil
 import signal
 import string
 import subprocess
+
+from bench.netns import parse_rate
 
 _ALPHABET = string.ascii_lowercase + string.digits
 
@@ -141,6 +143,13 @@ class NatNet:
         _in(ns, "ip", "link", "set", "eth0", "up")
         _in(ns, "ip", "route", "add", "default", "via", f"192.168.{x}.1")
         return ns
+
+    def shape(self, ns: str, rate: str) -> None:
+        """Caps the upload of a public host or a router (all its LAN hosts together) at ``rate`` (tc
+        units, e.g. ``100mbit``) with a token bucket on its public leg."""
+        burst = max(65536, int(parse_rate(rate) / 8 / 250))  # 4 ms of traffic, at least 64 KiB
+        _in(ns, "tc", "qdisc", "replace", "dev", "wan", "root", "tbf", "rate", rate, "burst", str(burst),
+            "latency", "50ms")
 
     # --- using ---------------------------------------------------------------------------------
 
