@@ -70,3 +70,8 @@ def test_group_hash_depends_on_everything() -> None:
     assert group_hash(PEERS, 1, "cd" * 32) != h
     assert group_hash(PEERS[:3], 1, BASE) != h
     assert group_hash(list(reversed(PEERS)), 1, BASE) != h  # the order is part of the group
+    # which members are closed (outbound-only) decides the roles: members that disagree on it must not match
+    assert group_hash(PEERS, 1, BASE, closed=[PEERS[1]]) != h
+    assert group_hash(PEERS, 1, BASE, closed=[PEERS[1]]) != group_hash(PEERS, 1, BASE, closed=[PEERS[2]])
+    assert group_hash(PEERS, 1, BASE, closed=[PEERS[2], PEERS[1]]) == group_hash(PEERS, 1, BASE,
+                                                                               closed=[PEERS[1], PEERS[2]])

@@ -13,6 +13,8 @@ from multiaddr import Multiaddr
 from hivetrain.dht.diagnose import diagnose
 from hivetrain.dht.errors import BootstrapError
 from hivetrain.peer import reach
+from hivetrain.peer.net.dialback import DIRECT, OUTBOUND_ONLY, UNKNOWN, Verdict
+from hivetrain.peer.reach import Reachability, describe
 
 PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -76,3 +78,41 @@ def test_the_join_line_offers_a_public_address_then_a_lan_one_never_loopback_fir
     assert reach.best_address([lo, lan]) == lan
     assert reach.best_address([lo]) == lo
     assert reach.best_address([]) is None
+
+
+class _FakeDHT:
+    """Returns scripted dial-back verdicts instead of asking peers."""
+
+    def __init__(self, verdicts: list[Verdict]):
+        self.verdicts, self.p2p = list(verdicts), None
+
+    def visible_maddrs(self) -> list[str]:
+        return ["/ip4/192.168.1.2/tcp/4040/p2p/x"]
+
+    def run(self, coro, timeout):  # type: ignore[no-untyped-def]
+        coro.close()
+        return self.verdicts.pop(0)
+
+
+def test_reachability_asks_again_when_nobody_answered_and_says_it_in_plain_words() -> None:
+    said: list[str] = []
+    changes: list[str] = []
+    nobody = Verdict(UNKNOWN, (), (4040,), asked=1)
+    closed = Verdict(OUTBOUND_ONLY, (("p", False),), (4040,), asked=1)
+    r = Reachability(_FakeDHT([nobody, closed]), said.append, lambda v: changes.append(v.mode))
+    assert r.first_check(pause=0.0).mode == OUTBOUND_ONLY
+    assert changes == [OUTBOUND_ONLY]
+    assert said[0].startswith("reachability: behind NAT: joined as an outbound-only member") and "4040" in said[0]
+    # a later check that nobody answers keeps what we knew
+    r.dht = _FakeDHT([Verdict(UNKNOWN, (), (4040,), asked=2)])
+    assert r.check().mode == OUTBOUND_ONLY and changes == [OUTBOUND_ONLY]
+
+
+def test_the_first_peer_of_a_run_says_it_does_not_know_yet() -> None:
+    said: list[str] = []
+    r = Reachability(_FakeDHT([Verdict(UNKNOWN, (), (4040,), asked=0)]), said.append, lambda v: None)
+    assert r.first_check(pause=0.0).mode == UNKNOWN
+    assert said == ["reachability: not known yet (no peer to check with); acting as reachable, checking again as "
+                    "peers join"]
+    assert describe(Verdict(DIRECT, (("a", True), ("b", True)), (31337,), 2)) == (
+        "reachability: reachable directly (2 of 2 peers could dial us at port 31337)")

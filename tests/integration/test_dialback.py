@@ -1,0 +1,75 @@
+"""The dial-back check (peer/net/dialback.py) between two real p2p daemons on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from hivetrain.dht.process import children_die_with_us
+from hivetrain.peer.net import dialback
+from hivetrain.peer.net.wire import ProtocolError, encode_frame, read_frame
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound and released at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _checks() -> dict[str, Any]:
+    daemons: list[P2P] = []
+    try:
+        with children_die_with_us():
+            a = await P2P.create(host_maddrs=LOCAL, nat_port_map=False)
+            daemons.append(a)
+            b = await P2P.create(host_maddrs=LOCAL, nat_port_map=False, initial_peers=await a.get_visible_maddrs())
+            daemons.append(b)
+        await asyncio.wait_for(b.wait_for_at_least_n_peers(1, attempts=20, delay=0.25), timeout=10)
+        service = dialback.DialBackService()
+        await service.serve(a)
+        b_ports = dialback.listen_ports([str(m) for m in await b.get_visible_maddrs()])
+        out: dict[str, Any] = {"b_ports": b_ports}
+        out["open"] = await dialback.check(b, b_ports)  # a dials b's real listening port
+        service.last.clear()
+        out["closed"] = await dialback.check(b, [_closed_port()])  # nothing listens there: as behind a NAT
+        out["cooldown"] = await dialback.check(b, b_ports)  # asked again at once: a is not a free port scanner
+        out["checked"] = service.checked
+        # a request naming a host to dial is malformed: the schema has no such field, so a cannot be aimed anywhere
+        _, reader, writer = await b.call_binary_stream_handler(a.peer_id, dialback.PROTOCOL)
+        try:
+            encode_frame({"type": "dialback", "ports": [80], "ip": "192.0.2.1"})
+        except ProtocolError as e:
+            out["aimed"] = str(e)
+        writer.write(b"\x00" * 64)  # junk instead: answered with nothing, no crash
+        await writer.drain()
+        try:
+            out["junk_reply"] = await read_frame(reader, 5, max_body=0)
+        except Exception as e:
+            out["junk_reply"] = type(e).__name__
+        writer.close()
+        out["alone"] = await dialback.check(a, [1], peers=[])
+        out["unknown_peer"] = await dialback.check(b, b_ports, peers=[str(PeerID.from_base58(
+            "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"))])
+        return out
+    finally:
+        for daemon in reversed(daemons):
+            await daemon.shutdown()
+
+
+def test_dial_back_tells_reachable_from_unreachable_and_cannot_be_aimed_or_spammed() -> None:
+    out = asyncio.run(_checks())
+    assert out["b_ports"], out
+    assert out["open"].mode == dialback.DIRECT and out["open"].answers[0][1], out
+    assert out["closed"].mode == dialback.OUTBOUND_ONLY and out["closed"].answers[0][1] is False, out
+    assert out["cooldown"].mode == dialback.UNKNOWN and out["cooldown"].asked == 1, out  # "busy": not counted
+    assert out["checked"] == 2, out
+    assert "exactly the fields" in out["aimed"], out
+    assert out["junk_reply"] in ("IncompleteReadError", "ProtocolError"), out
+    assert out["alone"].mode == dialback.UNKNOWN and out["alone"].asked == 0
+    assert out["unknown_peer"].mode == dialback.UNKNOWN and out["unknown_peer"].asked == 1
