@@ -26,9 +26,10 @@ Nobody asks a closed peer for its view; it asks the others. So an open peer take
 member's own last request as its report, and needs it to match, like an answer. A closed peer
 cannot hear the other closed members: when its view holds any, it adopts the decision of an open
 member, which heard them all first-hand; otherwise it decides like anyone, on the answers of all
-the others, and then tells them (a request marked decided), since nobody will ask it. Whether a peer is closed is its own
-claim, first-hand (its signed ready record, its requests and answers); the claim decides only
-what the group derives from it: closed members reduce and audit nothing (session.py).
+the others, and then tells them (a request marked decided), since nobody will ask it. Whether a
+peer is closed is its own claim, first-hand (its signed ready record, its requests and answers);
+the claim decides only what the group derives from it: closed members reduce and audit nothing
+(session.py).
 """
 
 from __future__ import annotations
