@@ -28,6 +28,7 @@ from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import DHTReadyBoard
 from hivetrain.peer.config import PeerOptions, RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
+from hivetrain.peer.export import save_spec
 from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.net import dialback
 from hivetrain.peer.net.libp2p import LibP2PLink
@@ -163,6 +164,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
         os.makedirs(ckpt_dir, exist_ok=True)
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
+        save_spec(ckpt_dir, run_key, spec)  # for `peer export`, which needs no network
         keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
                              min_round_s=spec.min_round_s, log=say)
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("-q", "--quiet", action="store_true", help="only print errors")
     peer.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
 
+    export = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder (offline)")
+    export.add_argument("--run", required=True, metavar="KEY", help="the run key")
+    export.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
+    export.add_argument("--state-dir", help="the state folder the peer trained with (default ~/.local/share/hivetrain)")
+
     demo = sub.add_parser("demo", help="run a local swarm of real peer processes on 127.0.0.1")
     demo.add_argument("--peers", type=int, default=3)
     demo.add_argument("--rounds", type=int, default=5)
@@ -154,6 +159,18 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hivetrain.peer.export import export_run
+
+    done = export_run(args.run, _state_dir(args.state_dir), args.out)
+    print(f"exported round {done['round']} (state {done['state_hash'][:12]}, {done['parameters']:,} parameters) "
+          f"to {done['out']}")
+    print("try it: python -c \"from transformers import AutoModelForCausalLM, AutoTokenizer; "
+          f"m = AutoModelForCausalLM.from_pretrained('{done['out']}'); t = AutoTokenizer.from_pretrained('{done['out']}'); "
+          "print(t.decode(m.generate(**t('The', return_tensors='pt'), max_new_tokens=40, do_sample=False)[0]))\"")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries(getattr(args, "verbose", False))
@@ -165,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "start":
             return cmd_start(args)
+        if args.command == "export":
+            return cmd_export(args)
         from hivetrain.peer.demo import run_demo
 
         return run_demo(args)

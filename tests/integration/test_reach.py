@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from safetensors import safe_open
+
 from .conftest import run_cli, wait_until
 
 FAST = ["--sync-every", "4", "--allreduce-timeout", "12"]
@@ -102,6 +104,14 @@ def test_a_stock_hivemind_dht_node_works_as_the_initial_peer(swarm, tmp_path: Pa
         owner_id = owner.records("start")[0]["peer_id"]
         assert any(not r["void"] and owner_id in r["group"] and r["group_size"] == 2 for r in joiner.records()), \
             joiner.records()
+        # the joiner's last state, exported offline as a Hugging Face folder (peer/export.py)
+        out = run_cli("export", "--run", run_key, "--out", str(tmp_path / "hf"), "--state-dir",
+                      str(tmp_path / "p1-state"))
+        assert out.returncode == 0, out.stderr[-2000:]
+        last = joiner.records()[-1]
+        assert f"state {last['state_hash'][:12]}" in out.stdout and "from_pretrained" in out.stdout, out.stdout
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert f.metadata()["state_hash"] == last["state_hash"]
     finally:
         os.killpg(stock.pid, signal.SIGKILL)
         stock.wait(10)

@@ -186,6 +186,7 @@ class FakeSync:
         self.choice, self.error, self.calls = choice, error, []
         self.dht = type("D", (), {"peer_id": "me"})()
         self.served: list[Snapshot] = []
+        self.reach: dict[str, int] = {}  # the reachability mix of the heartbeats last read
 
     def check(self, own: Own, weights: dict[str, float], clock: Clock, exclude: Any = ()) -> Choice:
         self.calls.append((own, dict(weights), clock, set(exclude)))
@@ -305,3 +306,16 @@ def test_a_requester_that_never_reads_is_cut_off(monkeypatch: pytest.MonkeyPatch
         assert time.monotonic() - t0 < 1.0 and writer.aborted and sync._serving == 0
 
     asyncio.run(scenario())
+
+
+def test_the_keeper_says_the_runs_reachability_mix_when_it_changes() -> None:
+    fake = FakeSync(Choice(None))
+    said: list[str] = []
+    keeper = StateKeeper(fake, Trust(), None, 1.0, 0.2, log=said.append)  # type: ignore[arg-type]
+    fake.reach = {"direct": 1, "outbound_only": 2}
+    keeper.catch_up(0, "ab" * 32)
+    keeper.catch_up(0, "ab" * 32)  # the same mix again: not repeated
+    fake.reach = {"direct": 2, "outbound_only": 2}
+    keeper.catch_up(0, "ab" * 32)
+    assert said == ["peers of the run, as their heartbeats say: 1 reachable directly, 2 outbound-only (behind NAT)",
+                    "peers of the run, as their heartbeats say: 2 reachable directly, 2 outbound-only (behind NAT)"]

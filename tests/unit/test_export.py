@@ -1,0 +1,72 @@
+"""``peer export`` (peer/export.py): a checkpoint as a Hugging Face folder that transformers loads and
+that computes the same logits as the peer's own model; byte-level tokenization kept exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.errors import ConfigError
+from hivetrain.peer.export import export_run, save_spec
+from hivetrain.peer.state import checkpoint
+from hivetrain.peer.state.snapshot import Snapshot
+from hivetrain.peer.train.diloco import copy_params_to_flat
+from hivetrain.peer.train.model import build_model, count_parameters
+
+RUN = "exp-tiny.abcdefghijklmnopqrstuvwxyz234567"
+
+
+def _trained_state(tmp_path: Path) -> tuple[RunSpec, torch.nn.Module, Path]:
+    """A state folder as a peer leaves it: the verified spec and a checkpoint of a (perturbed) model."""
+    spec = RunSpec.from_preset("exp", "tiny")
+    model = build_model(spec.model, seed=7)
+    with torch.no_grad():  # not the init any more: norms and every matrix moved
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    n = count_parameters(model)
+    master = copy_params_to_flat(model.parameters(), torch.empty(n))
+    ckpt = tmp_path / "state" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    checkpoint.write(str(ckpt / f"{RUN}.ckpt"), Snapshot.of(12, master, torch.zeros(n)))
+    save_spec(str(ckpt), RUN, spec)
+    return spec, model, tmp_path / "state"
+
+
+def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> None:
+    spec, model, state = _trained_state(tmp_path)
+    done = export_run(RUN, str(state), str(tmp_path / "out"))
+    assert done["round"] == 12
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    idx = torch.randint(0, 256, (2, spec.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, _ = model.eval()(idx)
+        theirs = hf(idx).logits
+    assert theirs.shape == ours.shape
+    assert torch.allclose(theirs, ours, atol=2e-4, rtol=1e-4), (theirs - ours).abs().max()
+    assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() > 0.99
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    text = "Hello, wörld \U0001f600\n\ttabs"
+    assert tok(text)["input_ids"] == list(text.encode())  # token i is byte i, as the peers trained
+    assert tok.decode(list(text.encode())) == text
+
+
+def test_export_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
+    _, _, state = _trained_state(tmp_path)
+    with pytest.raises(ConfigError, match="no checkpoint of run other"):
+        export_run("other.abcdefghijklmnopqrstuvwxyz234567", str(state), str(tmp_path / "x"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):
+        export_run(RUN, str(state), str(tmp_path / "full"))
+    out = subprocess.run([sys.executable, "-m", "hivetrain.peer.cli", "export", "--run", "nope.x", "--out",
+                          str(tmp_path / "y"), "--state-dir", str(state)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().startswith("error: no checkpoint of run nope.x"), out.stderr
