@@ -36,6 +36,7 @@ from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, repu
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.sync import StateKeeper, StateSync
+from hivetrain.peer.train import memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
 from hivetrain.peer.train.model import Llama, count_parameters
@@ -89,6 +90,16 @@ def _load_data(path: str | None, say: Say) -> Corpus:
     return corpus
 
 
+def fits(spec: RunSpec, options: PeerOptions) -> str:
+    """The memory plan line (peer/train/memory.py); ConfigError, with what would fit, if it does not fit."""
+    if options.micro_batch and spec.batch_size % options.micro_batch:
+        raise ConfigError(f"--micro-batch {options.micro_batch} does not divide the run's batch of {spec.batch_size}")
+    p = memory.plan(spec.model, spec.batch_size, spec.seq_len, options.device, options.micro_batch)
+    budget = memory.device_budget(options.device, options.memory_limit_gib)
+    memory.check(p, budget, spec.model)
+    return p.describe(budget)
+
+
 def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Trust,
                    behaviour: Behaviour) -> P2PAverager:
     """The averaging protocol over this peer's libp2p daemon, on the DHT's loop."""
@@ -128,6 +139,8 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         torch.set_num_threads(options.threads)
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {options.device}: no CUDA device is available here")
+    if choice.new_run is not None:  # a model that cannot fit is refused before anything is published
+        fits(RunSpec.from_preset(choice.new_run, choice.preset, **choice.overrides), options)
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
     if options.ephemeral:
@@ -145,6 +158,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     try:
         reachability.serve()  # before anyone learns our address: a joiner may check with us at once
         run_key, spec, corpus = open_run(dht, options, choice, say)
+        say(fits(spec, options))
         announce(dht, run_key, spec, say, info_file)
         with torch.device("meta"):  # the parameter count only: no memory, no initialisation
             numel = count_parameters(Llama(spec.model))
@@ -170,7 +184,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         metrics = MetricsWriter(options.metrics_file)
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust),
-                          options.device, options.eval_batches, say, heartbeat)
+                          options.device, options.eval_batches, say, heartbeat, options.micro_batch)
         try:
             saved = checkpoint.read(ckpt_path, numel)
         except StateMismatch as e:

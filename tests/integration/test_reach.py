@@ -115,3 +115,11 @@ def test_a_stock_hivemind_dht_node_works_as_the_initial_peer(swarm, tmp_path: Pa
     finally:
         os.killpg(stock.pid, signal.SIGKILL)
         stock.wait(10)
+
+
+def test_a_model_that_will_not_fit_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    """A simulated 2 GiB device: the medium preset's plan does not fit; the error says what would."""
+    line = one_line(run_cli("start", "--new-run", "big", "--preset", "medium", "--memory-limit", "2",
+                            "--state-dir", str(tmp_path / "s")))
+    assert "will not fit cpu" in line and "--micro-batch" in line, line
+    assert not (tmp_path / "s").exists()  # refused before the state folder, the daemon or the DHT

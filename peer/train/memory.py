@@ -1,0 +1,122 @@
+"""The memory plan a peer states at start, and the refusal of a model that will not fit.
+
+On the training device: parameters, gradients and AdamW's two moments (fp32, 4 bytes each), and the
+activations kept for the backward pass of one micro-batch. On the CPU, always: the outer state
+(master parameters and outer momentum, fp32) and, on a GPU run, the copy of the parameters the
+pseudo-gradient is computed against. Activations are estimated per layer as in Korthikanti et al.
+2022 (``34 * B * T * C`` bytes at 16 bits, doubled for fp32), on the CPU plus ``5 * B * heads *
+T^2`` 16-bit values for attention (none on CUDA, whose fused attention keeps a log-sum-exp per
+query), plus the logits (``B * T * vocab``, fp32, twice: logits and their gradient). Measured on
+the CPU, one AdamW step of the small preset (batch 16 x 256) grew the process by 553 MiB against
+651 MiB planned, of the medium one (batch 8 x 512) by 1704 MiB against 2772 MiB planned: on the
+safe side. An estimate, not a guarantee: the refusal also keeps a margin (MARGIN of the device's
+memory) for the allocator, the kernels and the framework.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hivetrain.peer.config import ModelConfig
+from hivetrain.peer.errors import ConfigError
+
+MARGIN = 0.85  # share of the device's memory a plan may use
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    parameters: int  # bytes, each of the following
+    gradients: int
+    optimizer: int
+    activations: int
+    micro_batch: int
+    batch: int
+    seq_len: int
+    host: int  # bytes on the CPU besides the model: outer master, momentum (and a GPU run's base copy)
+
+    @property
+    def on_device(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def describe(self, budget: int) -> str:
+        accumulate = f" ({self.batch // self.micro_batch} micro-batches of {self.micro_batch})" \
+            if self.micro_batch < self.batch else ""
+        return (f"memory plan on {self.device}: parameters {_gib(self.parameters)}, gradients {_gib(self.gradients)}, "
+                f"AdamW {_gib(self.optimizer)}, activations ~{_gib(self.activations)} at batch {self.batch} x "
+                f"{self.seq_len} tokens{accumulate}: {_gib(self.on_device)} of {_gib(budget)}; outer state "
+                f"{_gib(self.host)} on the CPU")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def parameter_count(model: ModelConfig) -> int:
+    c, layers = model.d_model, model.n_layers
+    per_layer = 4 * c * c + 3 * c * model.ffn_hidden + 2 * c  # attention (q, k, v, o), SwiGLU, two norms
+    return 2 * model.vocab_size * c + layers * per_layer + c  # embeddings, head (untied), final norm
+
+
+def activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, device: str = "cpu") -> int:
+    b, t, c = micro_batch, seq_len, model.d_model
+    per_layer = 34 * b * t * c * 2  # fp32: twice the 16-bit estimate
+    if not device.startswith("cuda"):
+        per_layer += 5 * b * model.n_heads * t * t * 2
+    return model.n_layers * per_layer + 2 * 4 * b * t * model.vocab_size
+
+
+def plan(model: ModelConfig, batch: int, seq_len: int, device: str, micro_batch: int = 0) -> MemoryPlan:
+    micro = micro_batch or batch
+    n = parameter_count(model)
+    host = 2 * 4 * n + (4 * n if device.startswith("cuda") else 0)
+    return MemoryPlan(device, 4 * n, 4 * n, 8 * n, activation_bytes(model, micro, seq_len, device), micro, batch,
+                      seq_len, host)
+
+
+def device_budget(device: str, limit_gib: float = 0.0) -> int:
+    """Bytes of memory on ``device`` (its total for CUDA, what is available for the CPU), or the
+    user's ``--memory-limit`` if smaller."""
+    if device.startswith("cuda"):
+        import torch
+
+        total = int(torch.cuda.mem_get_info(torch.device(device))[1])
+    else:
+        total = _available_ram()
+    if limit_gib > 0:
+        total = min(total, int(limit_gib * GIB))
+    return total
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
+    """Raises ConfigError, in one line with what would fit, if ``p`` does not fit ``budget``."""
+    allowed = int(MARGIN * budget)
+    if p.on_device <= allowed:
+        return
+    fixed = p.parameters + p.gradients + p.optimizer
+    fits = [m for m in range(p.micro_batch - 1, 0, -1)
+            if p.batch % m == 0 and fixed + activation_bytes(model, m, p.seq_len, p.device) <= allowed]
+    if fixed > allowed:
+        advice = (f"the parameters, gradients and AdamW alone need {_gib(fixed)}: use a device with more memory, "
+                  "or join a run of a smaller model")
+    elif fits:
+        advice = (f"pass --micro-batch {fits[0]} (gradient accumulation to the run's batch of {p.batch}: "
+                  f"about {_gib(fixed + activation_bytes(model, fits[0], p.seq_len, p.device))})")
+    else:
+        advice = "not even a micro-batch of 1 fits: use a device with more memory"
+    raise ConfigError(f"this model will not fit {p.device}: it needs about {_gib(p.on_device)} (parameters, "
+                      f"gradients, AdamW, activations at micro-batch {p.micro_batch}) and {int(MARGIN * 100)}% of "
+                      f"the device is {_gib(allowed)}; {advice}")
