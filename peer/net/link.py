@@ -132,25 +132,29 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
     transport's own errors) if the peer cannot be reached or drops the stream."""
     deadline = time.monotonic() + timeout
     head = encode_header(header, len(body))
-    async with asyncio.timeout(timeout):
-        reader, writer = await link.open(peer, protocol, timeout)
-        try:
-            writer.write(head)
-            await writer.drain()
-            sent = len(head)
-            if body:
-                go, _ = await read_header(reader, max(0.01, deadline - time.monotonic()), max_body=0)
-                if go.get("type") != "ack" or go["code"] != Code.CONTINUE:
-                    return go, b""  # refused on the header: the body stays here
-                writer.write(body)
+    sent = 0  # bytes written, counted even when the exchange fails afterwards (a lost reply: they were sent)
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await link.open(peer, protocol, timeout)
+            try:
+                writer.write(head)
                 await writer.drain()
-                sent += len(body)
-            reply, reply_len = await read_header(reader, max(0.01, deadline - time.monotonic()), max_reply_body)
-            reply_body = await read_body(reader, reply_len, max(0.01, deadline - time.monotonic()))
-        finally:
-            writer.close()
+                sent = len(head)
+                if body:
+                    go, _ = await read_header(reader, max(0.01, deadline - time.monotonic()), max_body=0)
+                    if go.get("type") != "ack" or go["code"] != Code.CONTINUE:
+                        return go, b""  # refused on the header: the body stays here
+                    writer.write(body)
+                    await writer.drain()
+                    sent += len(body)
+                reply, reply_len = await read_header(reader, max(0.01, deadline - time.monotonic()), max_reply_body)
+                reply_body = await read_body(reader, reply_len, max(0.01, deadline - time.monotonic()))
+            finally:
+                writer.close()
+    finally:
+        if traffic is not None:
+            traffic.sent += sent
     if traffic is not None:
-        traffic.sent += sent
         traffic.received += len(reply_body) + 64
     return reply, reply_body
 

@@ -215,3 +215,24 @@ def test_a_capped_uplink_delivers_at_its_rate_shared_by_all_streams() -> None:
     took, bodies = run(go())
     assert sorted(bodies) == [bytes([0]) * 20_000, bytes([1]) * 20_000]
     assert 0.4 <= took < 1.5, took  # 40 kB (+ headers) at 100 kB/s: never faster than the cap
+
+
+def test_bytes_written_count_even_when_the_reply_is_lost() -> None:
+    """A body delivered whose ack never comes back was still sent: the traffic counter says so (a retry
+    that the receiver then refuses as DUPLICATE sends the header only, so nothing is counted twice)."""
+    async def go() -> tuple[int, int, str]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        sink = Sink(size=1000, hold=asyncio.Event())  # takes the body, never answers in time
+        await b.serve(PROTO, Server(sink))
+        traffic = link_mod.Traffic()
+        try:
+            await request(a, B, PROTO, header(), b"x" * 1000, timeout=0.5, traffic=traffic)
+            outcome = "answered"
+        except TimeoutError:
+            outcome = "timed out"
+        return traffic.sent, net.bytes_moved[A], outcome
+
+    counted, moved, outcome = run(go())
+    assert outcome == "timed out"
+    assert counted > 1000 and counted <= moved  # header and body, as they went over the wire
