@@ -80,15 +80,20 @@ def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: 
     assert victim.proc.returncode == -signal.SIGKILL
     assert (tmp_path / "fault.log").read_text().startswith(f"kill@{point}:1")
 
-    round1 = [next(r for r in p.records() if r["round"] == 1) for p in others]
-    applied = [r for r in round1 if not r["void"]]
-    # every survivor either applied the same complete average or voided: never a mix of partials
-    assert len({r["state_hash"] for r in applied}) <= 1
-    assert all(r["void"] for r in round1) or len(applied) == 3, [(r["void"], r["why"]) for r in round1]
-    # the next round completes with the three survivors, bit-identical
-    round2 = [next(r for r in p.records() if r["round"] == 2) for p in others]
-    assert all(not r["void"] and r["group_size"] == 3 for r in round2), [(r["group_size"], r["why"]) for r in round2]
-    assert len({r["state_hash"] for r in round2}) == 1
+    round1 = {p.records("start")[0]["peer_id"]: next(r for r in p.records() if r["round"] == 1) for p in others}
+    story = [(r["void"], r["group_size"], r["why"]) for r in round1.values()]
+    # never a mix of partials: a survivor that applied did so with every member of its group, all with the same
+    # bytes (a survivor that decided without the victim, before the others did, can apply alone: its own group)
+    for r in round1.values():
+        if not r["void"]:
+            assert all(m in round1 and not round1[m]["void"] and round1[m]["state_hash"] == r["state_hash"]
+                       for m in r["group"]), story
+    # the survivors whose round 1 went the same way complete round 2 together, bit-identical
+    voided = [p for p, r in round1.items() if r["void"]]
+    together = voided if len(voided) >= 2 else list(round1)
+    round2 = {p.records("start")[0]["peer_id"]: next(r for r in p.records() if r["round"] == 2) for p in others}
+    assert all(not round2[p]["void"] and set(together) <= set(round2[p]["group"]) for p in together), (story, round2)
+    assert len({round2[p]["state_hash"] for p in together}) == 1
 
 
 def test_sigstop_past_deadline_then_resync(swarm, tmp_path: Path) -> None:
