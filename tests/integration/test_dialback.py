@@ -6,13 +6,12 @@ import asyncio
 import socket
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 
-from hivetrain.dht.process import children_die_with_us
 from hivetrain.peer.net import dialback
 from hivetrain.peer.net.wire import ProtocolError, encode_frame, read_frame
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+from .daemons import two_daemons
 
 
 def _closed_port() -> int:
@@ -23,14 +22,7 @@ def _closed_port() -> int:
 
 
 async def _checks() -> dict[str, Any]:
-    daemons: list[P2P] = []
-    try:
-        with children_die_with_us():
-            a = await P2P.create(host_maddrs=LOCAL, nat_port_map=False)
-            daemons.append(a)
-            b = await P2P.create(host_maddrs=LOCAL, nat_port_map=False, initial_peers=await a.get_visible_maddrs())
-            daemons.append(b)
-        await asyncio.wait_for(b.wait_for_at_least_n_peers(1, attempts=20, delay=0.25), timeout=10)
+    async with two_daemons() as (a, b):
         service = dialback.DialBackService()
         await service.serve(a)
         b_ports = dialback.listen_ports([str(m) for m in await b.get_visible_maddrs()])
@@ -57,9 +49,6 @@ async def _checks() -> dict[str, Any]:
         out["unknown_peer"] = await dialback.check(b, b_ports, peers=[str(PeerID.from_base58(
             "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"))])
         return out
-    finally:
-        for daemon in reversed(daemons):
-            await daemon.shutdown()
 
 
 def test_dial_back_tells_reachable_from_unreachable_and_cannot_be_aimed_or_spammed() -> None:

@@ -5,26 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hivemind.p2p import P2P
 from multiaddr import Multiaddr
 
-from hivetrain.dht.process import children_die_with_us
 from hivetrain.peer.averaging.sybil import observed_addrs, observed_prefixes
 
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+from .daemons import two_daemons
+
 STRANGER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a valid peer id nobody here has
 
 
 async def _observe() -> dict[str, Any]:
-    daemons: list[P2P] = []
-    try:
-        with children_die_with_us():
-            a = await P2P.create(host_maddrs=LOCAL, nat_port_map=False)
-            daemons.append(a)
-            b = await P2P.create(host_maddrs=LOCAL, nat_port_map=False,
-                                 initial_peers=await a.get_visible_maddrs())
-            daemons.append(b)
-        await asyncio.wait_for(b.wait_for_at_least_n_peers(1, attempts=20, delay=0.25), timeout=10)
+    async with two_daemons() as (a, b):
         await asyncio.wait_for(a.wait_for_at_least_n_peers(1, attempts=20, delay=0.25), timeout=10)
         a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
         return {
@@ -35,9 +26,6 @@ async def _observe() -> dict[str, Any]:
             "prefixes": await observed_prefixes(b, [a_id, STRANGER]),
             "a_id": a_id,
         }
-    finally:
-        for daemon in reversed(daemons):
-            await daemon.shutdown()
 
 
 def test_observed_address_of_a_local_peer_is_loopback_and_exempt() -> None:
