@@ -18,11 +18,15 @@ class DataError(PeerError):
 class RoundFailed(PeerError):
     """An outer round could not complete for this peer; the round is void and nothing was applied.
 
-    ``excluded`` names the members whose contributions were found invalid before the round failed."""
+    ``excluded`` names the members whose contributions were found invalid before the round failed;
+    ``awaiting`` the members that may still complete the round without us, and ``awaiting_until``
+    (``time.monotonic()``) when they must have ended it: fork choice should see how it ended."""
 
-    def __init__(self, message: str, excluded: dict[str, str] | None = None):
+    def __init__(self, message: str, excluded: dict[str, str] | None = None,
+                 awaiting: tuple[str, ...] = (), awaiting_until: float = 0.0):
         super().__init__(message)
         self.excluded = dict(excluded or {})
+        self.awaiting, self.awaiting_until = awaiting, awaiting_until
 
 
 class StateMismatch(PeerError):

@@ -36,6 +36,8 @@ from hivetrain.peer.state.snapshot import ZERO
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req")
+MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
+SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
 
 class LoopRunner(Protocol):
@@ -155,7 +157,14 @@ class P2PAverager:
             outcome = await AllReduceRunner(ctx, session).run(delta)
         except RoundFailed as e:
             mm.view.abandoned = True  # tell peers that still ask: we are out of this round
-            raise RoundFailed(str(e), {**mm.view.capped, **e.excluded}) from None
+            excluded = {**mm.view.capped, **e.excluded}
+            ours = self.sessions.get(round_)
+            # the members we did not find at fault may still complete the round in a group without us
+            # (they decided later, without a member that died): fork choice should see how it ended
+            awaiting = tuple(p for p in ours.order if p != ctx.me and p not in excluded)[:MAX_AWAITED] \
+                if ours is not None else ()
+            until = ours.deadline + SETTLE_MARGIN if ours is not None else 0.0
+            raise RoundFailed(str(e), excluded, awaiting, until) from None
         except BaseException:
             mm.view.abandoned = True
             raise
@@ -163,9 +172,17 @@ class P2PAverager:
         received = ctx.traffic.received + self.server.traffic.received - received0
         stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": time.monotonic() - t1,
                  "others_seen": float(len(mm.seen - set(order)))}
+        # alone while others of the run were here: they may be averaging without us right now
+        alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
-                             tuple(outcome.void_ranges))
+                             tuple(outcome.void_ranges), alone,
+                             time.monotonic() + self._settle_s if alone else 0.0)
+
+    @property
+    def _settle_s(self) -> float:
+        """Seconds within which peers still matching when we went alone must have ended the round."""
+        return self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout + SETTLE_MARGIN
 
     def _enter(self, round_: int) -> None:
         self.current_round = round_

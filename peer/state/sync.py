@@ -388,6 +388,22 @@ class StateKeeper:
             time.sleep(0.25)
         return False
 
+    def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
+        """After a round we voided or trained alone (training thread): waits until each of ``peers``
+        announces a state past ``round_``, at most until ``until`` (``time.monotonic()``); returns
+        the peers that did not. A member that died never announces: the wait is bounded by when
+        the living ones must have ended the round (their all-reduce deadline)."""
+        waiting = set(peers)
+        while True:
+            try:
+                found = attestations(read_heartbeats(self.sync.dht, self.sync.run_key))
+            except (PeerError, DHTError):
+                found = []
+            waiting -= {a.peer for a in found if a.state.round > round_}
+            if not waiting or time.monotonic() >= until:
+                return sorted(waiting)
+            time.sleep(0.25)  # the DHT has no watch; bounded by ``until``
+
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``
         seconds; returns how many were seen. Counts libp2p identities whose heartbeats are bound

@@ -47,6 +47,12 @@ class StateHooks(Protocol):
         """After a joiner's sync: waits until the peers it synced from move past ``round_``."""
         ...
 
+    def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
+        """After a round we voided or trained alone: waits until each of ``peers`` announces a
+        state past ``round_`` (how the round ended for it), at most until ``until``
+        (``time.monotonic()``); returns those that did not."""
+        ...
+
 
 def ring_allreduce_bytes(numel: int, group_size: int, bytes_per_value: int = 4) -> int:
     """Bytes one member sends in a bandwidth-optimal fp32 all-reduce (what DDP sends per step)."""
@@ -109,6 +115,8 @@ class Trainer:
         self._computed = 0.0  # seconds of inner steps since the previous round record
         self._compute_estimate = 0.0  # how long the last inner steps took: the ETA we announce
         self._joined = False  # a joiner waits once, after its first sync, for the run's next boundary
+        # (round, peers, until): the peers that may end the round we just ended without us (see catch_up)
+        self._awaiting: tuple[int, tuple[str, ...], float] = (-1, (), 0.0)
         self._boundary_wait = 2 * spec.matchmaking_timeout + spec.allreduce_timeout + 60.0  # seconds, at most
         self.totals = {"bytes_sent": 0, "bytes_received": 0, "inner_steps": 0, "rounds_completed": 0,
                        "rounds_void": 0, "ddp_equivalent_bytes": 0}
@@ -174,6 +182,16 @@ class Trainer:
         """At a round boundary: moves to the state fork choice picks (peer/state/choose.py), if any."""
         if self.parts.state is None:
             return
+        r, peers, until = self._awaiting
+        self._awaiting = (-1, (), 0.0)
+        if peers and until > time.monotonic():
+            # we voided or went alone while these peers may be completing the round without us: choosing
+            # before they publish how it ended, we would train the next round on a lineage they left
+            self.log(f"round {r}: waiting up to {until - time.monotonic():.0f} s for {len(peers)} peer(s) of the round "
+                     "to say how it ended for them, before choosing our state")
+            missing = self.parts.state.wait_for_end(r, peers, until)
+            if missing:
+                self.log(f"round {r}: {len(missing)} of them did not say: {', '.join(p[:16] for p in missing)}")
         t0 = time.perf_counter()
         # a joiner's first sync lands inside the others' round, which it will not train (it waits for
         # their next boundary, below): it announces nothing; any later sync it does announce
@@ -295,12 +313,14 @@ class Trainer:
         try:
             result = pending.result()
         except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
+            self._awaiting = (r, e.awaiting, e.awaiting_until)
             self.outer.void(self.model)
             self.totals["rounds_void"] += 1
             record.update(void=True, why=str(e), group_size=0, group=[], bytes_sent=0, bytes_received=0,
                           excluded=e.excluded)
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
+            self._awaiting = (r, result.awaiting, result.awaiting_until)
             self.outer.apply(result.averaged, self.model, keep=result.void_ranges, link=result.applied)
             if self.parts.trust is not None:  # what fork choice and probation weigh: rounds completed together
                 self.parts.trust.record_completed(r, result.group, self.parts.peer_id)

@@ -5,6 +5,7 @@ with its lineage and recorded in the trust ledger."""
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -78,3 +79,55 @@ def test_a_failed_round_is_void_and_records_nothing(corpus: Corpus) -> None:
     record = t.run_round()
     assert record["void"] and record["why"] == "no group"
     assert torch.equal(t.outer.master, before) and len(trust) == 0
+
+
+class Hooks:
+    """State hooks that record the order of the loop's calls at a round boundary."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> None:
+        self.calls.append(("catch_up", round_))
+
+    def committed(self, snapshot: object) -> None:
+        pass
+
+    def wait_for_next(self, round_: int, attesters: list[str], timeout: float) -> bool:
+        return True
+
+    def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
+        self.calls.append(("wait_for_end", (round_, peers)))
+        return []
+
+
+class Splitter(Recorder):
+    """Round 1 fails for us while the members we did not fault may still complete it; round 2 we
+    average alone while others were seen; round 3 with a partner."""
+
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+        self.calls.append(round_)
+        soon = time.monotonic() + 30
+        if round_ == 1:
+            raise RoundFailed("B refused our part", {"dead": "no part"}, ("B", "C"), soon)
+        if round_ == 2:
+            return AverageResult(delta.clone(), ("me",), "cd" * 32, awaiting=("B",), awaiting_until=soon)
+        return AverageResult(delta.clone(), ("me", "B"), "cd" * 32)
+
+
+def test_after_a_void_or_alone_round_fork_choice_waits_for_how_the_others_ended_it(corpus: Corpus) -> None:
+    # a member that decided a group without us may still be applying the round when we void it: choosing
+    # our state before it says how the round ended, we would train the next round on a lineage it left
+    hooks = Hooks()
+    spec = RunSpec(name="t", model=TINY, seq_len=16, batch_size=2, sync_every=2)
+    t = Trainer(TrainerParts(spec, "me", corpus, Splitter(), MetricsWriter(None), state=hooks), eval_batch_count=1,
+                log=lambda _: None)
+    t.outer.round = 1
+    for _ in range(3):
+        t.catch_up()
+        t.run_round()
+    t.catch_up()
+    assert hooks.calls == [("catch_up", 1),
+                           ("wait_for_end", (1, ("B", "C"))), ("catch_up", 2),  # after the void
+                           ("wait_for_end", (2, ("B",))), ("catch_up", 3),  # after the alone round
+                           ("catch_up", 4)]  # after a round with a partner: nothing to wait for
