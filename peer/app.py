@@ -28,7 +28,7 @@ from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import DHTReadyBoard
 from hivetrain.peer.config import PeerOptions, RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
-from hivetrain.peer.export import save_spec
+from hivetrain.peer.export import save_spec, save_tokenizer
 from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.net import dialback
 from hivetrain.peer.net.libp2p import LibP2PLink
@@ -36,7 +36,7 @@ from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, repu
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.sync import StateKeeper, StateSync
-from hivetrain.peer.train import memory
+from hivetrain.peer.train import hf, memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
 from hivetrain.peer.train.model import Llama, count_parameters
@@ -56,16 +56,45 @@ class RunChoice:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tuple[str, RunSpec, Corpus]:
-    """Publishes a new run's spec as its owner, or fetches and checks an existing one; returns
-    (run key, spec, the corpus it trains on). Raises ConfigError for data that does not match."""
+@dataclass(frozen=True)
+class Opened:
+    """A run opened: its key and spec, the corpus in the model's tokens, and, for a Hugging Face
+    model, the module to train and whether its weights are the run's initial ones (``held``; else
+    the peer takes the run's state by sync before it trains)."""
+
+    run_key: str
+    spec: RunSpec
+    corpus: Corpus
+    model: torch.nn.Module | None = None
+    held: bool = True
+    tokenizer: Any = None  # a Hugging Face model's, checked against the spec
+
+
+# defaults of a run on a Hugging Face model (the flags override them): continued pretraining
+HF_DEFAULTS: dict[str, Any] = dict(seq_len=512, batch_size=8, inner_lr=1e-4, sync_every=50)
+
+
+def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Opened:
+    """Publishes a new run's spec as its owner, or fetches and checks an existing one. Raises
+    ConfigError for data or a model that does not match the run."""
     if choice.new_run is not None:
         corpus = _load_data(options.data_path, say)
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
-        spec = RunSpec.from_preset(choice.new_run, choice.preset, dataset=dataset, **choice.overrides)
+        source = hf.load_source(m, say) if (m := new_run_model(choice, options)) else None
+        if source is None:
+            spec = RunSpec.from_preset(choice.new_run, choice.preset, dataset=dataset, **choice.overrides)
+        else:
+            settings = {**HF_DEFAULTS, **{k: v for k, v in choice.overrides.items() if v is not None}}
+            settings["seq_len"] = min(settings["seq_len"], source.summary.max_seq_len)
+            spec = RunSpec(name=choice.new_run, model=source.summary, dataset=dataset, hf_config=source.config_json,
+                           init_hash=hf.initial_hash(source.model), tokenizer=source.tokenizer_hash,
+                           pretrained=source.origin if source.origin == hf.SMOLLM2 else "", **settings)
+            say(fits(spec, options))
+            corpus = hf.tokenize_corpus(corpus, source, say)
         owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
         run_key, _ = new_run(dht, owner, spec)
-        return run_key, spec, corpus
+        return Opened(run_key, spec, corpus, source.model if source else None, True,
+                      source.tokenizer if source else None)
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
     corpus = _load_data(options.data_path, say)
@@ -73,11 +102,49 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> tup
         raise ConfigError(f"run {choice.run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
     if spec.dataset == "sotu" and options.data_path is not None:
         raise ConfigError(f"run {choice.run_key} trains on the bundled sotu corpus; drop --data")
+    opened = Opened(choice.run_key, spec, corpus)
+    if spec.hf_config:
+        opened = _join_hf(opened, options, say)
+    elif options.model_path:
+        raise ConfigError(f"run {choice.run_key} trains the built-in model ({spec.model.d_model} wide); drop --model")
     try:  # helps the spec outlive its owner; not needed to train
         republish(dht, record)
     except DHTError as e:
         say(f"warning: could not re-store the run spec ({e})")
-    return choice.run_key, spec, corpus
+    return opened
+
+
+def new_run_model(choice: RunChoice, options: PeerOptions) -> str | None:
+    """The Hugging Face model a new run trains (a folder, or the packaged pretrained preset), or None."""
+    if options.model_path and choice.preset != "tiny":  # tiny: the flag's default
+        raise ConfigError(f"--model and --preset {choice.preset} both name the model: pass one")
+    return options.model_path or (hf.SMOLLM2 if choice.preset == hf.SMOLLM2 else None)
+
+
+def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
+    """A run on a Hugging Face model: our copy of its architecture and tokenizer (the packaged
+    pretrained start, or ``--model``), checked against the spec; its weights if they are the run's."""
+    spec, key = opened.spec, opened.run_key
+    if spec.pretrained:
+        if options.model_path:
+            raise ConfigError(f"run {key} starts from the packaged {spec.pretrained}; drop --model")
+        source = hf.load_source(spec.pretrained, say)
+    elif options.model_path:
+        source = hf.load_source(options.model_path, say)
+    else:
+        raise ConfigError(f"run {key} trains a Hugging Face model: pass --model DIR, a folder with its config.json and "
+                          "tokenizer (the weights are optional: without them they come from the run's peers)")
+    if source.config_json != spec.hf_config:
+        raise ConfigError(f"the model at {source.origin} is not the architecture run {key} trains (its config.json "
+                          "differs)")
+    if source.tokenizer_hash != spec.tokenizer:
+        raise ConfigError(f"the tokenizer at {source.origin} is not the one run {key} uses ({source.tokenizer_hash[:19]} "
+                          f"against {spec.tokenizer[:19]})")
+    say(fits(spec, options))
+    held = source.has_weights and hf.initial_hash(source.model) == spec.init_hash
+    if source.has_weights and not held:
+        say(f"our copy of the weights at {source.origin} is not the run's start: we take the run's state from its peers")
+    return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say), source.model, held, source.tokenizer)
 
 
 def _load_data(path: str | None, say: Say) -> Corpus:
@@ -86,7 +153,7 @@ def _load_data(path: str | None, say: Say) -> Corpus:
     if path is not None:
         size = (corpus.train.numel() + corpus.heldout.numel()) / 1e6
         skipped = f"; skipped {len(corpus.skipped)}: {describe_skipped(corpus.skipped)}" if corpus.skipped else ""
-        say(f"data: {corpus.n_files} text file(s), {size:.1f} MB from {path}{skipped}")
+        say(f"data: {corpus.n_files} file(s), {size:.1f} MB of text from {path}{skipped}")
     return corpus
 
 
@@ -139,7 +206,9 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         torch.set_num_threads(options.threads)
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {options.device}: no CUDA device is available here")
-    if choice.new_run is not None:  # a model that cannot fit is refused before anything is published
+    if choice.new_run is not None and new_run_model(choice, options) is None:
+        # a model that cannot fit is refused before anything is published (a Hugging Face model's
+        # plan is made, and said, once its config is read)
         fits(RunSpec.from_preset(choice.new_run, choice.preset, **choice.overrides), options)
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
@@ -157,11 +226,16 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     reachability = reach.Reachability(dht, say, lambda verdict: None)
     try:
         reachability.serve()  # before anyone learns our address: a joiner may check with us at once
-        run_key, spec, corpus = open_run(dht, options, choice, say)
-        say(fits(spec, options))
+        opened = open_run(dht, options, choice, say)
+        run_key, spec, corpus = opened.run_key, opened.spec, opened.corpus
+        if not spec.hf_config:
+            say(fits(spec, options))
         announce(dht, run_key, spec, say, info_file)
-        with torch.device("meta"):  # the parameter count only: no memory, no initialisation
-            numel = count_parameters(Llama(spec.model))
+        if opened.model is not None:
+            numel = count_parameters(opened.model)
+        else:
+            with torch.device("meta"):  # the parameter count only: no memory, no initialisation
+                numel = count_parameters(Llama(spec.model))
         trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
         averager = build_averager(dht, run_key, spec, numel, trust, behaviour)
         heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
@@ -179,11 +253,14 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         os.makedirs(ckpt_dir, exist_ok=True)
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
         save_spec(ckpt_dir, run_key, spec)  # for `peer export`, which needs no network
+        if opened.tokenizer is not None:
+            save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
         keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
                              min_round_s=spec.min_round_s, log=say)
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         metrics = MetricsWriter(options.metrics_file)
-        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust),
+        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust,
+                                       opened.model, opened.held),
                           options.device, options.eval_batches, say, heartbeat, options.micro_batch)
         try:
             saved = checkpoint.read(ckpt_path, numel)
@@ -192,7 +269,10 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             saved = None
         if saved is not None:
             trainer.resume(saved)
+        if not trainer.held:  # no weights of the run's start: its state from its peers, before anything else
+            trainer.take_run_state()
         if options.wait_for_peers > 1:
+            keeper.committed(trainer.outer.snapshot())  # served while we wait: a peer without the weights syncs it
             heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None, eval_loss=None)
             say(f"waiting for {options.wait_for_peers} peers (at most {wait_timeout:.0f} s)")
             seen = keeper.wait_for_peers(options.wait_for_peers, wait_timeout)

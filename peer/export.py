@@ -3,7 +3,9 @@
 A peer keeps, per run, the spec it verified (``checkpoints/<run key>.spec.json``, written when it
 joins) and its checkpoint of the outer state (``checkpoints/<run key>.ckpt``, verified against its
 hash on read). ``export_run`` turns them into a folder that ``transformers`` loads with
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``:
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. A run on a Hugging
+Face model (peer/train/hf.py) exports as that model, ``save_pretrained``, with the tokenizer the peer
+kept next to its checkpoint (``checkpoints/<run key>.tokenizer/``). A run on the built-in model:
 
 - ``config.json``: a ``LlamaForCausalLM`` with the preset's sizes (untied embeddings, no biases,
   SiLU gate, one key/value head per query head);
@@ -31,6 +33,7 @@ from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.model import Block, Llama, count_parameters
 
 SPEC_SUFFIX = ".spec.json"
+TOKENIZER_SUFFIX = ".tokenizer"  # a folder: a Hugging Face run's tokenizer, as the peer checked it
 
 
 def spec_path(ckpt_dir: str, run_key: str) -> str:
@@ -132,18 +135,58 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+def tokenizer_path(ckpt_dir: str, run_key: str) -> str:
+    return os.path.join(ckpt_dir, f"{run_key}{TOKENIZER_SUFFIX}")
+
+
+def save_tokenizer(ckpt_dir: str, run_key: str, tokenizer: Any) -> None:
+    """Keeps a Hugging Face run's tokenizer (checked against the spec) next to its checkpoint, for export."""
+    tokenizer.save_pretrained(tokenizer_path(ckpt_dir, run_key))
+
+
+def _export_hf(spec: RunSpec, run_key: str, ckpt_dir: str, out: Path) -> dict[str, Any]:
+    """A run on a Hugging Face model: its own architecture and tokenizer, the checkpoint's weights."""
+    from transformers import AutoTokenizer
+
+    from hivetrain.peer.train import hf
+
+    model = hf.from_config(spec.hf_config)
+    numel = count_parameters(model)
+    snapshot = checkpoint.read(os.path.join(ckpt_dir, f"{run_key}.ckpt"), numel)
+    if snapshot is None:
+        raise StateMismatch(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
+    folder = tokenizer_path(ckpt_dir, run_key)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the tokenizer of run {run_key} is missing from {folder} ({e}); start the peer again") from None
+    if hf.tokenizer_hash(tokenizer) != spec.tokenizer:
+        raise ConfigError(f"the tokenizer in {folder} is not run {run_key}'s; start the peer again to rewrite it")
+    flat = torch.frombuffer(bytearray(snapshot.data), dtype=torch.float32)[:numel]
+    with torch.no_grad():
+        copy_flat_to_params(flat, model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    cast(Any, model.inner).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "hivetrain.json").write_text(json.dumps({"run_key": run_key, "round": snapshot.round,
+                                                    "state_hash": snapshot.hash}, indent=1))
+    return {"out": str(out), "round": snapshot.round, "state_hash": snapshot.hash, "parameters": numel}
+
+
 def export_run(run_key: str, state_dir: str, out_dir: str) -> dict[str, Any]:
     """Writes the folder (see the module doc); returns what it wrote. Raises ConfigError / StateMismatch."""
     ckpt_dir = os.path.join(os.path.expanduser(state_dir), "checkpoints")
     spec = load_spec(ckpt_dir, run_key)
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty: pass a new folder")
+    if spec.hf_config:
+        return _export_hf(spec, run_key, ckpt_dir, out)
     with torch.device("meta"):
         numel = count_parameters(Llama(spec.model))
     snapshot = checkpoint.read(os.path.join(ckpt_dir, f"{run_key}.ckpt"), numel)
     if snapshot is None:
         raise StateMismatch(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
-    out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty: pass a new folder")
     from safetensors.torch import save_file
 
     model = Llama(spec.model)

@@ -85,6 +85,7 @@ class Own:
     me: str
     state: State
     history: tuple[State, ...] = ()
+    held: bool = True  # False: ``state`` is not a state of the run (no weights of its start): it gets no vote
 
 
 @dataclass(frozen=True)
@@ -303,15 +304,18 @@ def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[
     An attester of a state our own history descends from is behind us, not a competitor: its vote
     counts for our state, as in ``choose``."""
     behind = _ancestors(own)
-    tally: dict[State, tuple[set[str], list[str]]] = {own.state: ({SELF_VOTE}, [own.me])}
+    tally: dict[State, tuple[set[str], list[str]]] = {own.state: ({SELF_VOTE}, [own.me])} if own.held else {}
     for state, peers in plan.items():
         cast = {p: key for p in peers if (key := votes.get(p))}
-        mine = state == own.state or (state.round, state.hash) in behind
+        mine = own.held and (state == own.state or (state.round, state.hash) in behind)
         keys, voters = tally.get(own.state if mine else state, (set(), []))
         tally[own.state if mine else state] = (keys | set(cast.values()), voters + list(cast))
+    tally = {state: cast for state, cast in tally.items() if cast[0]}  # (held: ours always has its vote)
+    if not tally:
+        return Choice(None)
     best = max(tally, key=lambda s: (len(tally[s][0]), len(tally[s][1]), s.round,
                                      [-b for b in bytes.fromhex(s.hash)]))
-    if best == own.state:
+    if best == own.state and own.held:
         return Choice(None)
     keys, voters = tally[best]
     detail = f"attested by {len(keys)} network prefixes/IPs ({len(voters)} identities)"

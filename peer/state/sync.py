@@ -324,12 +324,14 @@ class StateKeeper:
         # (round, base) -> None: announces that we will train that round (set by the caller; see catch_up)
         self.announce: Callable[[int, str], None] | None = None
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> tuple[Snapshot, dict[str, Any]] | None:
-        """At a round boundary (training thread): the state fork choice moves us to, verified, or None."""
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False,
+                 held: bool = True) -> tuple[Snapshot, dict[str, Any]] | None:
+        """At a round boundary (training thread): the state fork choice moves us to, verified, or None.
+        ``held``: False while our state is not one of the run's (its weights come by sync): no vote."""
         mine = next((s for s in reversed(self.history) if (s.round, s.hash) == (round_, state_hash)),
                     State(round_, state_hash, ZERO))
-        own = Own(self.sync.dht.peer_id, mine, tuple(self.history))
-        weights = self.trust.trusted(round_) if self.trust.has_history(round_) else {}
+        own = Own(self.sync.dht.peer_id, mine, tuple(self.history), held)
+        weights = self.trust.trusted(round_) if held and self.trust.has_history(round_) else {}
         now = time.monotonic()
         clock = Clock(self.min_round_s, now - self._boundary, {p: (r, now - t) for p, (r, t) in self._seen.items()})
         try:

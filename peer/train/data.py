@@ -26,6 +26,9 @@ from hivetrain.peer.errors import DataError
 SEPARATOR = b"\n\n"
 HOLDOUT_EVERY = 10
 TEXT_SUFFIXES = (".txt", ".md")  # files named so must be UTF-8 text: anything else in them is an error
+RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # read by `datasets`: a "text" field
+TEXT_FIELD = "text"
+GLOB_CHARS = "*?["
 SNIFF_BYTES = 64 * 1024  # what we read of another file to tell text from binary before reading it all
 SKIPPED_NAMED = 8  # skipped files named in the start-up line (the rest are counted)
 MAX_CORPUS_BYTES = 2 * 1024**3
@@ -158,7 +161,7 @@ def _find_text_files(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[s
             p = here / name
             rel = p.relative_to(root).as_posix()
             why = "hidden" if name.startswith(".") else None
-            if why is None and not name.lower().endswith(TEXT_SUFFIXES):
+            if why is None and not name.lower().endswith((*TEXT_SUFFIXES, *RECORD_SUFFIXES)):
                 why = _not_text(p)
             if why is None:
                 found.append((rel, p))
@@ -167,17 +170,80 @@ def _find_text_files(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[s
     return sorted(found)  # by relative path, code-point order: the same on every machine
 
 
+def _record_kind(path: Path) -> str | None:
+    return RECORD_SUFFIXES.get(path.suffix.lower())
+
+
+def read_records(path: Path, label: str) -> list[bytes]:
+    """The ``text`` field of every row of a JSON-lines or Parquet file, through the ``datasets``
+    library (streamed from the local file; nothing is downloaded), as UTF-8 documents in row order.
+    Rows whose text is empty or null are left out; a row whose text is not a string is an error."""
+    kind = _record_kind(path)
+    assert kind is not None
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading {label} needs the datasets library: pip install datasets") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        rows = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
+        names = list(rows.features or {}) if rows.features is not None else None
+        if names is not None and TEXT_FIELD not in names:
+            raise DataError(f"{label} has no {TEXT_FIELD!r} field (its fields: {', '.join(names[:8])})")
+        docs: list[bytes] = []
+        size = 0
+        for i, row in enumerate(rows):
+            text = row.get(TEXT_FIELD)
+            if text is None or text == "":
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{label}: row {i}'s {TEXT_FIELD!r} is a {type(text).__name__}, not text")
+            doc = text.encode("utf-8")
+            size += len(doc)
+            if size > MAX_CORPUS_BYTES:
+                raise DataError(f"{label} holds over {MAX_CORPUS_BYTES // 1024**3} GiB of text: pass a smaller file")
+            docs.append(doc)
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow / json errors on a malformed file: one line, never a traceback
+        raise DataError(f"cannot read {label} as {kind}: {type(e).__name__}: {str(e)[:200]}") from None
+    if not docs and names is None:
+        raise DataError(f"{label} has no rows with a {TEXT_FIELD!r} field")
+    return docs
+
+
+def _expand(path: str) -> tuple[Path, list[tuple[str, Path]] | None]:
+    """A glob pattern (``data/*.parquet``) -> (its fixed leading folder, the files it matches, sorted);
+    anything else -> (the path, None)."""
+    if not any(c in path for c in GLOB_CHARS) or Path(path).expanduser().exists():
+        return Path(path).expanduser(), None
+    pattern = Path(path).expanduser()
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in GLOB_CHARS))
+    root = Path(*parts[:fixed]) if fixed else Path(".")
+    matched = sorted(p for p in root.glob(str(Path(*parts[fixed:]))) if p.is_file())
+    if not matched:
+        raise DataError(f"data pattern {path} matches no files")
+    return root, [(p.relative_to(root).as_posix(), p) for p in matched]
+
+
 def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
-    """The user's own data: one text file (any name), or a folder of UTF-8 text files, with or without an
-    extension (recursive, sorted by relative path). Left out, and listed in ``Corpus.skipped`` with the
-    reason: hidden files and folders, empty files, and files that are not UTF-8 text (NUL bytes, invalid
-    UTF-8); a ``.txt`` or ``.md`` file that is not UTF-8 is an error instead (it was meant as text).
+    """The user's own data: one file, a folder (recursive, sorted by relative path) or a glob pattern
+    (``'data/*.parquet'``). A ``.jsonl``/``.json``/``.parquet`` file gives one document per row (its
+    ``text`` field, read with the ``datasets`` library); any other file is one UTF-8 text document,
+    with or without an extension. Left out, and listed in ``Corpus.skipped`` with the reason: hidden
+    files and folders, empty files, and files that are not UTF-8 text (NUL bytes, invalid UTF-8); a
+    ``.txt`` or ``.md`` file that is not UTF-8 is an error instead (it was meant as text).
     """
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"data path {path} does not exist: pass a text file or a folder of text files")
+    root, matched = _expand(path)
+    if matched is None and not root.exists():
+        raise DataError(f"data path {path} does not exist: pass a text file, a folder of text files, a .jsonl or "
+                        ".parquet file, or a pattern such as 'data/*.parquet'")
     skipped: list[tuple[str, str]] = []
-    if root.is_dir():
+    if matched is not None:
+        files = matched
+    elif root.is_dir():
         files = _find_text_files(root, skipped)
         if not files:
             why = f" (skipped: {describe_skipped(skipped)})" if skipped else ""
@@ -190,8 +256,16 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
             f"data at {path} is {size / 1024**3:.1f} GiB, over the {MAX_CORPUS_BYTES // 1024**3} GiB limit: "
             "pass a smaller folder"
         )
-    docs = []
+    docs: list[bytes] = []
+    read = 0  # files that gave text
     for rel, p in files:
+        if _record_kind(p) is not None:  # one document per row
+            rows = read_records(p, f"{path}: {rel}" if root.is_dir() else str(path))
+            docs.extend(rows)
+            read += bool(rows)
+            if not rows:
+                skipped.append((rel, "no text in its rows"))
+            continue
         if root.is_file() or p.name.lower().endswith(TEXT_SUFFIXES):  # meant as text: not UTF-8 is an error
             doc = _read_utf8(p, f"{path}: {rel}")
         elif _utf8_error(doc := _read(p, f"{path}: {rel}")) is not None:
@@ -199,10 +273,11 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
             continue
         if doc:
             docs.append(doc)
+            read += 1
         else:
             skipped.append((rel, "empty"))
     corpus = split_documents(docs, str(path), min_tokens)
-    return dataclasses.replace(corpus, skipped=tuple(sorted(skipped)), n_files=len(docs))
+    return dataclasses.replace(corpus, skipped=tuple(sorted(skipped)), n_files=read)
 
 
 def describe_skipped(skipped: Sequence[tuple[str, str]]) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 from hivetrain.peer.averaging.api import Averager, Finished, Pending, begin_now
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.errors import ConfigError, RoundFailed
+from hivetrain.peer.errors import ConfigError, RoundFailed, StateMismatch
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
@@ -33,10 +33,12 @@ from hivetrain.peer.trust import Trust
 class StateHooks(Protocol):
     """What the loop asks of the network about state, at round boundaries (training thread)."""
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> tuple[Snapshot, dict[str, Any]] | None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False,
+                 held: bool = True) -> tuple[Snapshot, dict[str, Any]] | None:
         """A verified state this peer should move to (the run is ahead or disagrees) and how it was
         obtained, or None to keep ours. ``announce``: we will train the round we move to, so tell
-        the run before downloading (the others wait for us within their grace)."""
+        the run before downloading (the others wait for us within their grace). ``held``: False
+        while our state is not one of the run's (no weights of its start): ours then gets no vote."""
         ...
 
     def committed(self, snapshot: Snapshot) -> None:
@@ -88,6 +90,8 @@ class TrainerParts:
     behaviour: Behaviour = HONEST  # faults are injected here (peer/faults.py); the honest peer by default
     state: StateHooks | None = None
     trust: Trust | None = None  # the earned-trust ledger the averager and fork choice read; we record into it
+    model: nn.Module | None = None  # a Hugging Face model (peer/train/hf.py); None: build the spec's built-in model
+    held: bool = True  # False: ``model``'s weights are not the run's start; its state comes by sync first
 
 
 class Trainer:
@@ -100,7 +104,9 @@ class Trainer:
             raise ConfigError(f"--micro-batch {micro_batch} does not divide the run's batch of {spec.batch_size}")
         self.micro_batch = micro_batch or spec.batch_size  # gradient accumulation in pieces of this many sequences
         self.heartbeat = heartbeat or (lambda **kw: None)
-        self.model = build_model(spec.model, spec.init_seed).to(self.device)
+        model = parts.model if parts.model is not None else build_model(spec.model, spec.init_seed)
+        self.model = model.to(self.device)
+        self.held = parts.held
         self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum)
         self.inner_opt = torch.optim.AdamW(
             self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95)
@@ -153,6 +159,8 @@ class Trainer:
     def run(self, max_rounds: int) -> dict[str, Any]:
         """Trains until ``max_rounds`` rounds have passed (0: forever); returns the totals."""
         self.max_rounds = max_rounds
+        if not self.held:
+            self.take_run_state()
         initial = self._eval()
         self.parts.metrics.write({"event": "start", "round": 0, "state_hash": self.outer.hash(),
                                   "eval_loss": initial, "numel": self.numel, "peer_id": self.parts.peer_id,
@@ -172,9 +180,27 @@ class Trainer:
                 self.run_round()
         return dict(self.totals, initial_eval_loss=initial)
 
+    def take_run_state(self) -> None:
+        """Without the weights of the run's start we hold no state of the run: take one from its
+        peers (fork choice as a joiner, our own state without a vote) before training."""
+        if self.parts.state is None:
+            raise StateMismatch("this peer has no weights of the run's start and no peers to take them from")
+        waited = 0.0
+        self.log("we have no copy of the run's initial weights: taking the run's state from its peers first")
+        while not self.held:
+            self.catch_up()
+            if self.held:
+                return
+            if waited >= self._boundary_wait:
+                raise StateMismatch(f"no peer of the run served its state within {waited:.0f} s; start a peer that has "
+                                    "the run's initial weights (the same --model folder with its *.safetensors)")
+            time.sleep(2.0)
+            waited += 2.0
+
     def resume(self, snapshot: Snapshot) -> None:
         """Starts from a verified local checkpoint (its lineage included); the first ``catch_up``
         checks it against the run."""
+        self.held = True
         self.outer.load(snapshot, self.model)
         self.log(f"resumed from checkpoint: round {snapshot.round}, state {snapshot.hash[:12]}")
 
@@ -196,10 +222,16 @@ class Trainer:
         # a joiner's first sync lands inside the others' round, which it will not train (it waits for
         # their next boundary, below): it announces nothing; any later sync it does announce
         trusted = self.parts.trust is not None and self.parts.trust.has_history(self.outer.round)
-        found = self.parts.state.catch_up(self.outer.round, self.outer.hash(), announce=self._joined or trusted)
+        found = self.parts.state.catch_up(self.outer.round, self.outer.hash(), announce=self._joined or trusted,
+                                          held=self.held)
         if found is None:
             return
         snapshot, info = found
+        if snapshot.round == 0 and self.spec.init_hash and snapshot.hash != self.spec.init_hash:
+            self.log(f"refused state {snapshot.hash[:12]}: a round-0 state that is not the run's start "
+                     f"({self.spec.init_hash[:12]})")
+            return
+        self.held = True
         from_round, from_hash = self.outer.round, self.outer.hash()
         self.outer.load(snapshot, self.model)
         eval_loss = self._eval() if self._eval_due() else None  # not on every sync: the others are waiting
@@ -212,13 +244,17 @@ class Trainer:
         self.log(f"synced to round {snapshot.round}, state {snapshot.hash[:12]}, held-out {_fmt(eval_loss)}")
         self._committed(0.0, None, eval_loss)
         if info.get("joiner") and not self._joined:
-            # a joiner's first sync lands somewhere inside the others' round: start with them at the next one
             self._joined = True
+            if snapshot.round == 0:  # the run's start (we had no weights of it): the others may not have begun
+                return
+            # a joiner's first sync lands somewhere inside the others' round: start with them at the next one
             self.log("waiting for the run's next round boundary, to start it together with the others")
             if self.parts.state.wait_for_next(snapshot.round, info.get("attesters", []), self._boundary_wait):
                 self.catch_up()
 
     def _committed(self, throughput: float, train_loss: float | None, eval_loss: float | None) -> None:
+        if not self.held:  # not a state of the run: nothing to serve or attest
+            return
         snapshot = self.outer.snapshot()
         if self.parts.state is not None:
             self.parts.state.committed(snapshot)
