@@ -336,3 +336,21 @@ def test_a_dht_timeout_at_a_round_boundary_keeps_our_state_and_training() -> Non
                          log=said.append)
     assert keeper.catch_up(3, "ab" * 32) is None
     assert len(said) == 1 and "timed out" in said[0] and "keeping our state" in said[0], said
+
+
+def test_a_peer_without_the_runs_weights_never_votes_for_its_own_state() -> None:
+    """A peer that built the architecture without the run's initial weights holds no state of the
+    run: on one host (one IP, one vote per state) a tie would otherwise keep its random state at
+    round 0 half of the time (by hash); unheld, it takes what the run attests, and nothing if nobody does."""
+    start = State(0, h("start"), ZERO)
+    for tag in ("a", "b", "c", "d"):  # whatever its random state hashes to
+        bare = Own("joiner", State(0, h(tag), ZERO), (), held=False)
+        assert joiner([att("owner", start)], {"owner": ["/ip4/127.0.0.1/tcp/1"]}, bare) == start
+    bare = Own("joiner", State(0, h("zz"), ZERO), (), held=False)
+    assert choose_joiner({}, bare, {}).target is None
+    plan = plan_contacts([att("owner", start)], bare, b"s")
+    assert choose_joiner(plan, bare, {}).target is None  # the owner did not serve: still nothing to take
+    # the same tie, held: its own state keeps its vote and stays (the hazard ``held=False`` removes)
+    outcomes = {joiner([att("owner", start)], {"owner": ["/ip4/127.0.0.1/tcp/1"]},
+                       Own("joiner", State(0, h(t), ZERO), ())) for t in ("a", "b", "c", "d")}
+    assert None in outcomes
