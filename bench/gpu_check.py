@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hivetrain.kernels import int8 as codec
+from hivetrain.peer.train.speed import DEVICE_PEAKS
 
 CS = codec.CHUNK_SIZE
 LARGE = 64 * 2**20 + 4321  # 64M values and an odd tail: 1025 chunks, the last one partial
@@ -64,23 +65,6 @@ WEIGHTS = (1.0, 0.3, -1.7)  # decode_accumulate weights checked
 HARD_STOP_GRACE_S = 20.0
 Result = dict[str, Any]
 
-# name substring -> (dense bf16 FLOP/s, memory bytes/s), vendor datasheets without sparsity. First match
-# wins, so the longer names come first ("GH200" contains "H200", "L40S" contains "L4").
-DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
-    ("GH200", 989.4e12, 4.0e12),
-    ("H200 NVL", 835.5e12, 4.8e12),
-    ("H200", 989.4e12, 4.8e12),
-    ("H100 NVL", 835.5e12, 3.9e12),
-    ("H100 PCIe", 756.0e12, 2.0e12),
-    ("H100", 989.4e12, 3.35e12),
-    ("A100-SXM4-80GB", 312e12, 2.039e12),
-    ("A100 80GB PCIe", 312e12, 1.935e12),
-    ("A100", 312e12, 1.555e12),
-    ("L40S", 362.05e12, 0.864e12),
-    ("L4", 121e12, 0.3e12),
-    ("RTX 4090", 165.2e12, 1.008e12),
-    ("B200", 2250e12, 8.0e12),
-)
 BF16_FLOP_PER_SM_CLOCK = {(8, 0): 2048, (9, 0): 4096}  # dense tensor-core bf16, A100 and H100/H200
 
 

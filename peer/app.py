@@ -161,7 +161,8 @@ def fits(spec: RunSpec, options: PeerOptions) -> str:
     """The memory plan line (peer/train/memory.py); ConfigError, with what would fit, if it does not fit."""
     if options.micro_batch and spec.batch_size % options.micro_batch:
         raise ConfigError(f"--micro-batch {options.micro_batch} does not divide the run's batch of {spec.batch_size}")
-    p = memory.plan(spec.model, spec.batch_size, spec.seq_len, options.device, options.micro_batch)
+    p = memory.plan(spec.model, spec.batch_size, spec.seq_len, options.device, options.micro_batch,
+                    options.checkpointing)
     budget = memory.device_budget(options.device, options.memory_limit_gib)
     memory.check(p, budget, spec.model)
     return p.describe(budget)
@@ -261,7 +262,8 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         metrics = MetricsWriter(options.metrics_file)
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust,
                                        opened.model, opened.held),
-                          options.device, options.eval_batches, say, heartbeat, options.micro_batch)
+                          options.device, options.eval_batches, say, heartbeat, options.micro_batch,
+                          options.checkpointing, options.compile)
         try:
             saved = checkpoint.read(ckpt_path, numel)
         except StateMismatch as e:

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     peer.add_argument("--micro-batch", type=int, default=0, metavar="N",
                       help="gradient accumulation: N sequences at a time, to the run's batch (default: all at once)")
+    peer.add_argument("--activation-checkpointing", action="store_true",
+                      help="keep only each block's input and recompute the rest in the backward pass (less memory, "
+                           "about a third more compute)")
+    peer.add_argument("--compile", action="store_true", help="torch.compile the model for the inner steps")
     peer.add_argument("--memory-limit", type=float, default=0.0, metavar="GIB",
                       help="plan the training memory within GIB (default: the device's memory)")
     peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH")
@@ -157,7 +161,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         announce_maddrs=tuple(args.announce_maddrs), state_dir=_state_dir(args.state_dir),
         identity_path=args.identity, ephemeral=args.ephemeral, data_path=args.data, model_path=args.model,
         device=args.device, threads=args.threads,
-        micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit,
+        micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit, checkpointing=args.activation_checkpointing,
+        compile=args.compile,
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
     )

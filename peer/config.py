@@ -290,6 +290,8 @@ class PeerOptions:
     wait_for_peers: int = 1  # peers (this one included) to wait for before the first round
     micro_batch: int = 0  # 0: the run's whole batch at once; else gradient accumulation in pieces of this size
     memory_limit_gib: float = 0.0  # 0: the device's memory; else plan within this many GiB
+    checkpointing: bool = False  # activation checkpointing: recompute each block in the backward pass
+    compile: bool = False  # torch.compile the inner steps' model
 
     def __post_init__(self) -> None:
         _check_int("peer", "threads", self.threads, 0, 1024)

@@ -30,25 +30,40 @@ def flat_numel(params: Iterable[torch.Tensor]) -> int:
 
 @torch.no_grad()
 def copy_params_to_flat(params: Iterable[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Writes the parameters, in order, into ``out`` (n,) fp32 on the CPU; returns it."""
-    offset = 0
+    """Writes the parameters, in order, into ``out`` (n,) fp32 on the CPU; returns it. From a GPU the
+    copies are queued without waiting (asynchronous into pinned memory, see ``pinned``) and waited
+    for once, at the end."""
+    offset, device = 0, False
     for p in params:
         n = p.numel()
-        out[offset : offset + n].copy_(p.detach().reshape(-1))
+        out[offset : offset + n].copy_(p.detach().reshape(-1), non_blocking=p.is_cuda)
+        device |= p.is_cuda
         offset += n
     assert offset == out.numel(), "flat buffer does not match the parameters"
+    if device:
+        torch.cuda.synchronize()
     return out
 
 
 @torch.no_grad()
 def copy_flat_to_params(flat: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
-    """Writes ``flat`` (n,) back into the parameters (on whatever device they live)."""
-    offset = 0
+    """Writes ``flat`` (n,) back into the parameters (on whatever device they live); to a GPU the
+    copies are queued and waited for once, so ``flat`` may change as soon as this returns."""
+    offset, device = 0, False
     for p in params:
         n = p.numel()
-        p.copy_(flat[offset : offset + n].view_as(p))
+        p.copy_(flat[offset : offset + n].view_as(p), non_blocking=p.is_cuda)
+        device |= p.is_cuda
         offset += n
     assert offset == flat.numel(), "flat buffer does not match the parameters"
+    if device:
+        torch.cuda.synchronize()
+
+
+def pinned(n: int, on_gpu: bool) -> torch.Tensor:
+    """An (n,) fp32 CPU buffer, page-locked when the model is on a GPU (asynchronous copies)."""
+    buf = torch.empty(n, dtype=torch.float32)
+    return buf.pin_memory() if on_gpu else buf
 
 
 @torch.no_grad()
@@ -106,11 +121,12 @@ class OuterState:
     def __init__(self, model: nn.Module, lr: float, momentum: float):
         params = list(model.parameters())
         n = flat_numel(params)
+        gpu = any(p.is_cuda for p in params)
         self.lr, self.mu = lr, momentum
         self.round = 0
-        self.master = copy_params_to_flat(params, torch.empty(n, dtype=torch.float32))  # (n,) fp32, CPU
+        self.master = copy_params_to_flat(params, pinned(n, gpu))  # (n,) fp32, CPU
         self.momentum = torch.zeros(n, dtype=torch.float32)  # (n,) fp32, CPU
-        self._local = torch.empty(n, dtype=torch.float32)  # (n,) scratch for theta_local
+        self._local = pinned(n, gpu)  # (n,) scratch for theta_local
         self._delta = torch.empty(n, dtype=torch.float32)  # (n,) scratch for the pseudo-gradient
         self.parent = ZERO  # lineage of the current state: the state it came from ...
         self.link = ZERO  # ... and what was applied to it (the initial state has neither)

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, cast
 
 import torch
 from torch import nn
@@ -24,9 +24,10 @@ from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import ConfigError, RoundFailed, StateMismatch
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
+from hivetrain.peer.train import speed
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from hivetrain.peer.train.diloco import OuterState, copy_flat_to_params, copy_params_to_flat, state_hash
-from hivetrain.peer.train.model import build_model
+from hivetrain.peer.train.model import Llama, build_model
 from hivetrain.peer.trust import Trust
 
 
@@ -97,7 +98,7 @@ class TrainerParts:
 class Trainer:
     def __init__(self, parts: TrainerParts, device: str = "cpu", eval_batch_count: int = 8,
                  log: Callable[[str], None] = print, heartbeat: Callable[..., None] | None = None,
-                 micro_batch: int = 0):
+                 micro_batch: int = 0, checkpointing: bool = False, compile: bool = False):
         spec = parts.spec
         self.parts, self.spec, self.device, self.log = parts, spec, torch.device(device), log
         if micro_batch and spec.batch_size % micro_batch:
@@ -107,10 +108,19 @@ class Trainer:
         model = parts.model if parts.model is not None else build_model(spec.model, spec.init_seed)
         self.model = model.to(self.device)
         self.held = parts.held
+        if checkpointing:  # activations recomputed block by block in the backward pass: memory for compute
+            inner = getattr(self.model, "inner", None)
+            if inner is not None:
+                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                cast(Llama, self.model).checkpointing = True
+        # the module the inner steps call: compiled on request (same parameters; evaluation stays eager)
+        self.step_model: Callable[..., Any] = torch.compile(self.model) if compile else self.model
         self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum)
-        self.inner_opt = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95)
-        )
+        self.inner_opt = torch.optim.AdamW(  # fused into one kernel per step on a GPU
+            self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95),
+            fused=self.device.type == "cuda")
+        self.peak = speed.peak_bf16(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         seed = int.from_bytes(hashlib.sha256(parts.peer_id.encode()).digest()[:8], "little")
         self.sampler = ShardSampler(parts.corpus.train, spec.seq_len, spec.batch_size, seed)
         self.eval_set = eval_batches(parts.corpus.heldout, spec.seq_len, spec.batch_size, eval_batch_count)
@@ -144,7 +154,8 @@ class Trainer:
             x, y = self.sampler.next_batch()  # (B, T) each
             for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True):
                 with self._autocast():
-                    _, piece_loss = self.model(xs.to(self.device), ys.to(self.device))
+                    _, piece_loss = self.step_model(xs.to(self.device, non_blocking=True),
+                                                    ys.to(self.device, non_blocking=True))
                 assert piece_loss is not None
                 (piece_loss / pieces).backward()  # equal pieces: the gradient of the whole batch's mean loss
                 total += float(piece_loss.detach()) / pieces
@@ -327,7 +338,8 @@ class Trainer:
         self.totals["inner_steps"] += self.spec.sync_every
         record: dict[str, Any] = {"event": "round", "round": r, "base_hash": base, "inner_steps": self.spec.sync_every,
                                   "train_loss": train_loss if math.isfinite(train_loss) else None,
-                                  "tokens_per_s": tokens_per_s, "delta_compute_s": seconds}
+                                  "tokens_per_s": tokens_per_s, "delta_compute_s": seconds,
+                                  "mfu": speed.mfu(self.numel, tokens_per_s, self.peak)}
         if not math.isfinite(train_loss):
             record["why"] = f"training loss became {train_loss} in round {r}; our pseudo-gradient is not shared"
         return record, delta
@@ -401,7 +413,8 @@ class Trainer:
                if record.get("matchmaking_s") is not None else "no network")
         overlapped = " (overlapped)" if self.spec.overlap != "none" else ""
         eval_part = f" | held-out {record['eval_loss']:.3f}" if record["eval_loss"] is not None else ""
-        self.log(f"round {r}: train {_fmt(record['train_loss'])}{eval_part} | group {n}{' (ALONE)' if n == 1 else ''} "
+        rate = f" | {record['tokens_per_s']:,.0f} tok/s" + (f", MFU {record['mfu']:.0%}" if record.get("mfu") else "")
+        self.log(f"round {r}: train {_fmt(record['train_loss'])}{eval_part}{rate} | group {n}{' (ALONE)' if n == 1 else ''} "
                  f"| sent {record['bytes_sent'] / 1e6:.2f} MB | compute {record['compute_s']:.1f}s, {net}{overlapped}, "
                  f"idle {record['idle_s']:.1f}s | utilization {record['utilization']:.0%} | state {record['state_hash'][:12]}")
         others = int(record.get("others_seen") or 0)

