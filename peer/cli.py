@@ -136,6 +136,8 @@ def _quiet_libraries(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "ERROR")
     os.environ.setdefault("GOLOG_LOG_LEVEL", "debug" if verbose else "fatal")
+    if not verbose:  # libraries' progress bars (transformers' GGUF reader): our own progress lines say enough
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.getLogger("hivemind").setLevel(level)
 
 

