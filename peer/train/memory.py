@@ -2,14 +2,18 @@
 
 On the training device: parameters, gradients and AdamW's two moments (fp32, 4 bytes each), and the
 activations kept for the backward pass of one micro-batch. On the CPU, always: the outer state
-(master parameters and outer momentum, fp32) and, on a GPU run, the copy of the parameters the
-pseudo-gradient is computed against. Activations are estimated per layer as in Korthikanti et al.
+(master parameters and outer momentum, fp32), two scratch vectors of the same size (the parameters
+the pseudo-gradient is computed against, and the pseudo-gradient), and the snapshots served to
+joiners (the last two rounds' master and momentum). On a CPU run both share one memory and are
+checked together. Activations are estimated per layer as in Korthikanti et al.
 2022 (``34 * B * T * C`` bytes at 16 bits, doubled for fp32), on the CPU plus ``5 * B * heads *
 T^2`` 16-bit values for attention (none on CUDA, whose fused attention keeps a log-sum-exp per
 query), plus the logits (``B * T * vocab``, fp32, twice: logits and their gradient). Measured on
 the CPU, one AdamW step of the small preset (batch 16 x 256) grew the process by 553 MiB against
 651 MiB planned, of the medium one (batch 8 x 512) by 1704 MiB against 2772 MiB planned: on the
-safe side. An estimate, not a guarantee: the refusal also keeps a margin (MARGIN of the device's
+safe side. A 2-peer SmolLM2-135M run at batch 4 x 128 planned 7.5 GiB per peer (3.5 for the
+model, 4.0 for the outer state and snapshots) and each process peaked at 7.9-8.2 GiB resident,
+the libraries and the corpus included. An estimate, not a guarantee: the refusal also keeps a margin (MARGIN of the device's
 memory) for the allocator, the kernels and the framework.
 """
 
@@ -35,20 +39,26 @@ class MemoryPlan:
     micro_batch: int
     batch: int
     seq_len: int
-    host: int  # bytes on the CPU besides the model: outer master, momentum (and a GPU run's base copy)
+    host: int  # bytes on the CPU besides the model: outer state, scratch, served snapshots
     checkpointing: bool = False
 
     @property
     def on_device(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activations
 
+    @property
+    def needed(self) -> int:
+        """What must fit the budget: on the CPU the outer state shares the memory with the model."""
+        return self.on_device + (0 if self.device.startswith("cuda") else self.host)
+
     def describe(self, budget: int) -> str:
         accumulate = f" ({self.batch // self.micro_batch} micro-batches of {self.micro_batch})" \
             if self.micro_batch < self.batch else ""
         return (f"memory plan on {self.device}: parameters {_gib(self.parameters)}, gradients {_gib(self.gradients)}, "
                 f"AdamW {_gib(self.optimizer)}, activations ~{_gib(self.activations)} at batch {self.batch} x "
-                f"{self.seq_len} tokens{accumulate}{' (activation checkpointing)' if self.checkpointing else ''}: {_gib(self.on_device)} of {_gib(budget)}; outer state "
-                f"{_gib(self.host)} on the CPU")
+                f"{self.seq_len} tokens{accumulate}{' (activation checkpointing)' if self.checkpointing else ''}, "
+                f"outer state and served snapshots {_gib(self.host)} on the CPU: {_gib(self.needed)} of "
+                f"{_gib(budget)}" + ("" if self.device.startswith("cuda") else " (one memory)"))
 
 
 def _gib(n: int) -> str:
@@ -79,7 +89,9 @@ def plan(model: ModelConfig, batch: int, seq_len: int, device: str, micro_batch:
          checkpointing: bool = False) -> MemoryPlan:
     micro = micro_batch or batch
     n = parameter_count(model)
-    host = 2 * 4 * n + (4 * n if device.startswith("cuda") else 0)
+    # master, outer momentum, two scratch vectors (theta_local, delta), and the snapshots served to
+    # joiners (the last two rounds, master and momentum each); all fp32 on the CPU whatever the device
+    host = 4 * 4 * n + 2 * 2 * 4 * n
     return MemoryPlan(device, 4 * n, 4 * n, 8 * n, activation_bytes(model, micro, seq_len, device, checkpointing),
                       micro, batch, seq_len, host, checkpointing)
 
@@ -112,9 +124,9 @@ def _available_ram() -> int:
 def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
     """Raises ConfigError, in one line with what would fit, if ``p`` does not fit ``budget``."""
     allowed = int(MARGIN * budget)
-    if p.on_device <= allowed:
+    if p.needed <= allowed:
         return
-    fixed = p.parameters + p.gradients + p.optimizer
+    fixed = p.parameters + p.gradients + p.optimizer + (p.needed - p.on_device)  # (+ the outer state on a CPU)
 
     def need(m: int, ckpt: bool) -> int:
         return fixed + activation_bytes(model, m, p.seq_len, p.device, ckpt)
@@ -127,7 +139,8 @@ def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
         flags = "--activation-checkpointing" + (f" --micro-batch {with_ckpt[0]}" if with_ckpt[0] < p.batch else "")
         ckpt_advice = f"pass {flags} (recomputes activations in the backward pass: about {_gib(need(with_ckpt[0], True))})"
     if fixed > allowed:
-        advice = (f"the parameters, gradients and AdamW alone need {_gib(fixed)}: use a device with more memory, "
+        alone = "the parameters, gradients and AdamW" + ("" if p.needed == p.on_device else ", outer state and snapshots")
+        advice = (f"{alone} alone need {_gib(fixed)}: use a device with more memory, "
                   "or join a run of a smaller model")
     elif fits:
         advice = (f"pass --micro-batch {fits[0]} (gradient accumulation to the run's batch of {p.batch}: "
@@ -136,6 +149,7 @@ def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
         advice = ckpt_advice
     else:
         advice = "not even a micro-batch of 1 fits: use a device with more memory"
-    raise ConfigError(f"this model will not fit {p.device}: it needs about {_gib(p.on_device)} (parameters, "
-                      f"gradients, AdamW, activations at micro-batch {p.micro_batch}) and {int(MARGIN * 100)}% of "
+    raise ConfigError(f"this model will not fit {p.device}: it needs about {_gib(p.needed)} (parameters, "
+                      f"gradients, AdamW, activations at micro-batch {p.micro_batch}"
+                      f"{'' if p.needed == p.on_device else ', outer state'}) and {int(MARGIN * 100)}% of "
                       f"the device is {_gib(allowed)}; {advice}")
