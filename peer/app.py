@@ -90,7 +90,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
                            init_hash=hf.initial_hash(source.model), tokenizer=source.tokenizer_hash,
                            pretrained=source.origin if source.origin == hf.SMOLLM2 else "", **settings)
             say(fits(spec, options))
-            corpus = hf.tokenize_corpus(corpus, source, say)
+            corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
         owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
         run_key, _ = new_run(dht, owner, spec)
         return Opened(run_key, spec, corpus, source.model if source else None, True,
@@ -144,7 +144,13 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
     held = source.has_weights and hf.initial_hash(source.model) == spec.init_hash
     if source.has_weights and not held:
         say(f"our copy of the weights at {source.origin} is not the run's start: we take the run's state from its peers")
-    return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say), source.model, held, source.tokenizer)
+    return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
+                  held, source.tokenizer)
+
+
+def _token_cache(options: PeerOptions) -> str | None:
+    """Where tokenized corpora are kept (none for a peer that keeps nothing)."""
+    return None if options.ephemeral else os.path.join(options.state_dir, "tokens")
 
 
 def _load_data(path: str | None, say: Say) -> Corpus:

@@ -40,6 +40,8 @@ SMOLLM2 = "smollm2-135m"  # the preset whose weights and tokenizer come from the
 _VOLATILE = ("architectures", "transformers_version", "dtype", "torch_dtype", "quantization_config", "use_cache",
              "output_attentions", "output_hidden_states", "return_dict")
 TOKENIZE_CHUNK = 4096  # paragraphs per call of the tokenizer (progress is printed between calls)
+TOKENS_TAG = "hivetrain-tokens-v1"  # bump when _tokenize changes: cached tokens of older versions are unused
+MAX_CACHED = 4  # tokenized corpora kept in a peer's state folder
 
 
 class HFCausalLM(nn.Module):
@@ -194,11 +196,58 @@ def _tokenize(stream: Tensor, tokenizer: Any, vocab: int, what: str, say: Callab
     return tokens
 
 
-def tokenize_corpus(corpus: Corpus, source: Source, say: Callable[[str], None] = print) -> Corpus:
-    """The corpus in the model's own tokens (int32), split as before (by document)."""
+def _cache_file(cache_dir: str, corpus: Corpus, source: Source) -> Path:
+    key = hashlib.sha256(f"{TOKENS_TAG}{corpus.digest}{source.tokenizer_hash}".encode()).hexdigest()[:32]
+    return Path(cache_dir) / f"{key}.tokens"
+
+
+def _read_cache(path: Path, vocab: int) -> tuple[Tensor, Tensor] | None:
+    """(train, held-out) int32 tokens from our own cache file, or None if absent or damaged."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < 48 or hashlib.sha256(data[:-32]).digest() != data[-32:]:
+        return None
+    n_train, n_held = int.from_bytes(data[:8], "little"), int.from_bytes(data[8:16], "little")
+    if 16 + 4 * (n_train + n_held) + 32 != len(data):
+        return None
+    tokens = torch.frombuffer(bytearray(data[16:-32]), dtype=torch.int32)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        return None
+    return tokens[:n_train], tokens[n_train:]
+
+
+def _write_cache(path: Path, train: Tensor, heldout: Tensor) -> None:
+    """Writes the tokens (with a checksum) atomically; keeps the MAX_CACHED most recent files."""
+    body = (train.numel().to_bytes(8, "little") + heldout.numel().to_bytes(8, "little")
+            + train.numpy().tobytes() + heldout.numpy().tobytes())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(body + hashlib.sha256(body).digest())
+    tmp.replace(path)
+    for old in sorted(path.parent.glob("*.tokens"), key=lambda f: f.stat().st_mtime)[:-MAX_CACHED]:
+        old.unlink(missing_ok=True)
+
+
+def tokenize_corpus(corpus: Corpus, source: Source, say: Callable[[str], None] = print,
+                    cache_dir: str | None = None) -> Corpus:
+    """The corpus in the model's own tokens (int32), split as before (by document). With ``cache_dir``
+    the tokens are kept there (keyed by the corpus digest and the tokenizer's hash, checksummed), so a
+    restarted peer does not tokenize the same corpus again; a cache write that fails is only reported."""
     vocab = source.summary.vocab_size
-    train = _tokenize(corpus.train, source.tokenizer, vocab, "training", say)
-    heldout = _tokenize(corpus.heldout, source.tokenizer, vocab, "held-out", say)
+    path = _cache_file(cache_dir, corpus, source) if cache_dir else None
+    cached = _read_cache(path, vocab) if path is not None else None
+    if cached is not None:
+        train, heldout = cached
+    else:
+        train = _tokenize(corpus.train, source.tokenizer, vocab, "training", say)
+        heldout = _tokenize(corpus.heldout, source.tokenizer, vocab, "held-out", say)
+        if path is not None:
+            try:
+                _write_cache(path, train, heldout)
+            except OSError as e:
+                say(f"warning: could not keep the tokenized corpus in {path.parent} ({e.strerror or e})")
     ratio = corpus.train.numel() / max(train.numel(), 1)
     say(f"data: {train.numel():,} training and {heldout.numel():,} held-out tokens ({ratio:.1f} bytes per token)")
     return Corpus(train, heldout, corpus.source, corpus.digest, corpus.n_docs_train, corpus.n_docs_heldout,

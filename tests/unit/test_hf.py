@@ -102,3 +102,24 @@ def test_record_files_without_text_are_one_clear_error(tmp_path: Path) -> None:
         load_text_files(str(tmp_path / "c.jsonl"), min_tokens=8)
     with pytest.raises(DataError, match="matches no files"):
         load_text_files(str(tmp_path / "none" / "*.parquet"), min_tokens=8)
+
+
+def test_tokenized_corpora_are_kept_and_a_damaged_cache_is_redone(tmp_path: Path, source: hf.Source) -> None:
+    docs = [f"document {i}: peers train together, the quick brown fox {i}".encode() for i in range(30)]
+    corpus = split_documents(docs, "t", min_tokens=64)
+    first = hf.tokenize_corpus(corpus, source, lambda _: None, str(tmp_path))
+    (cached,) = tmp_path.glob("*.tokens")
+
+    class Refuses:  # the second time, the tokenizer is never called
+        backend_tokenizer = source.tokenizer.backend_tokenizer
+
+        def __call__(self, *a: object, **kw: object) -> None:
+            raise AssertionError("tokenized again")
+
+    again = hf.tokenize_corpus(corpus, dataclasses.replace(source, tokenizer=Refuses()), lambda _: None, str(tmp_path))
+    assert torch.equal(first.train, again.train) and torch.equal(first.heldout, again.heldout)
+    data = bytearray(cached.read_bytes())
+    data[20] ^= 1  # one flipped bit: the checksum fails, the corpus is tokenized afresh
+    cached.write_bytes(bytes(data))
+    redone = hf.tokenize_corpus(corpus, source, lambda _: None, str(tmp_path))
+    assert torch.equal(first.train, redone.train) and cached.read_bytes() != bytes(data)
