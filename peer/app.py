@@ -90,6 +90,8 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
             spec = RunSpec(name=choice.new_run, model=source.summary, dataset=dataset, hf_config=source.config_json,
                            init_hash=hf.initial_hash(source.model), tokenizer=source.tokenizer_hash,
                            pretrained=source.origin if source.origin == hf.SMOLLM2 else "", **settings)
+            if not source.has_weights:
+                say("the run starts from freshly initialised weights (the architecture's own initialisation)")
             say(fits(spec, options))
             corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
         owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
@@ -143,8 +145,9 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
                           f"against {spec.tokenizer[:19]})")
     say(fits(spec, options))
     held = source.has_weights and hf.initial_hash(source.model) == spec.init_hash
-    if source.has_weights and not held:
-        say(f"our copy of the weights at {source.origin} is not the run's start: we take the run's state from its peers")
+    if not held:
+        what = "our copy of the weights" if source.has_weights else "without weights, the model"
+        say(f"{what} at {source.origin} is not the run's start: we take the run's state from its peers")
     return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
                   held, source.tokenizer)
 

@@ -143,7 +143,7 @@ def load_folder(path: str, say: Callable[[str], None] = print) -> Source:
             raise ConfigError(f"--model {path}: the weights are quantized; a run trains fp32 weights")
         model = HFCausalLM(inner)
     else:
-        say(f"model: {folder} has no weights (*.safetensors): they will come from the run's peers")
+        say(f"model: {folder} has no weights (*.safetensors)")
         model = from_config(config_json)
     return Source(model, tokenizer, config_json, has_weights, str(path))
 
