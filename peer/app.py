@@ -288,6 +288,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None, eval_loss=None)
             say(f"waiting for {options.wait_for_peers} peers (at most {wait_timeout:.0f} s)")
             seen = keeper.wait_for_peers(options.wait_for_peers, wait_timeout)
+            averager.first_expected = set(sorted(keeper.present)[:64])  # start together: wait for them in round 0
             if seen < options.wait_for_peers:
                 say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
         try:

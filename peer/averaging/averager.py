@@ -95,6 +95,8 @@ class P2PAverager:
         self.sessions: dict[int, RoundSession] = {}  # round -> the session of the group we derived (two rounds)
         self.replayed: dict[str, str] = {}  # members that sent old parts during this round -> why
         self.announced: dict[int, float] = {}  # round -> when our announcement of it expires (unix time)
+        # peers to wait for in our first round, like a previous group (the ones --wait-for-peers saw)
+        self.first_expected: set[str] = set()
 
     def start(self) -> P2PAverager:
         self.runner.run(self.ctx.link.serve(self.ctx.protocol, self.server), timeout=10)
@@ -145,6 +147,8 @@ class P2PAverager:
         previous = self.sessions.get(round_ - 1)
         if previous is not None:  # the peers we just completed (or tried) a round with: likely ready soon
             mm.expected = set(previous.order)
+        elif self.first_expected:  # our first round: the peers we waited for at start (their announcement
+            mm.expected, self.first_expected = self.first_expected, set()  # may still be on its way)
         try:
             order = await mm.run()
             t1 = time.monotonic()

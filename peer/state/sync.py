@@ -234,11 +234,19 @@ class StateSync:
         bad: dict[str, str] = {}
         manifest: Manifest | None = None
         for donor in donors:
-            try:
-                manifest = self._check_manifest(target, await self._fetch(donor, target, -1, manifest_nbytes(self.numel)))
+            for attempt in range(2):  # a lost stream gets one more chance, as a piece does; a refusal none
+                try:
+                    body = await self._fetch(donor, target, -1, manifest_nbytes(self.numel))
+                    manifest = self._check_manifest(target, body)
+                    bad.pop(donor, None)
+                    break
+                except StateMismatch as e:  # refused, or not the attested state: this donor is out
+                    bad[donor] = f"manifest: {e}"
+                    break
+                except Exception as e:  # e.g. the stream closed before a reply (seen once in CI on loopback)
+                    bad[donor] = f"manifest: {type(e).__name__}: {e}" + (" (twice)" if attempt else "")
+            if manifest is not None:
                 break
-            except Exception as e:  # this donor is out; the next one may serve
-                bad[donor] = f"manifest: {type(e).__name__}: {e}"
         if manifest is None:
             raise StateSyncFailed(f"no attester served a valid manifest for round {target.round}: {bad}")
         todo = deque(range(len(manifest.piece_hashes)))
@@ -320,6 +328,7 @@ class StateKeeper:
         self._named: dict[str, None] = {}  # peers whose refused claims we already logged
         self._reach: dict[str, int] = {}  # the run's reachability mix we last reported
         self._seen: dict[str, tuple[int, float]] = {}  # trusted peer -> (round, monotonic time) last accepted
+        self.present: set[str] = set()  # the other peers ``wait_for_peers`` last saw
         self._writes = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         # (round, base) -> None: announces that we will train that round (set by the caller; see catch_up)
         self.announce: Callable[[int, str], None] | None = None
@@ -412,13 +421,13 @@ class StateKeeper:
         to them: one identity is one peer, but identities are free, so this is a convenience for
         friends starting a run together, not a guarantee that ``count`` independent peers exist."""
         deadline = time.monotonic() + timeout
-        seen = 1
         while True:
             try:
-                seen = 1 + len({hb["peer_id"] for hb in read_heartbeats(self.sync.dht, self.sync.run_key)}
-                               - {self.sync.dht.peer_id})
+                self.present = {hb["peer_id"] for hb in read_heartbeats(self.sync.dht, self.sync.run_key)} \
+                    - {self.sync.dht.peer_id}
             except (PeerError, DHTError):  # a slow read: ask again until the deadline
                 pass
+            seen = 1 + len(self.present)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
             time.sleep(0.5)  # the DHT has no watch; bounded by the deadline

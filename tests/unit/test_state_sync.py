@@ -319,3 +319,35 @@ def test_the_keeper_says_the_runs_reachability_mix_when_it_changes() -> None:
     keeper.catch_up(0, "ab" * 32)
     assert said == ["peers of the run, as their heartbeats say: 1 reachable directly, 2 outbound-only (behind NAT)",
                     "peers of the run, as their heartbeats say: 2 reachable directly, 2 outbound-only (behind NAT)"]
+
+
+def test_a_lost_manifest_stream_gets_one_more_chance_and_a_refusal_none() -> None:
+    """CI saw a donor's stream close before its manifest reply (IncompleteReadError, 0 bytes) with
+    only that donor to ask: the download failed though the donor then served fine."""
+    me, good = Identity.generate(), snapshot(8)
+    sync = StateSync(FakeDHT(me, []), RUN_KEY, SPEC, NUMEL, NoFaults())  # type: ignore[arg-type]
+    asked: list[tuple[str, int]] = []
+
+    def flaky(lose: int, refuse: bool = False) -> None:
+        async def fetch(donor: str, target: Any, index: int, max_body: int) -> bytes:
+            asked.append((donor, index))
+            if refuse:
+                raise sync_module.StateMismatch("donor refused: state not held here")
+            if index == -1 and sum(1 for a in asked if a[1] == -1) <= lose:
+                raise asyncio.IncompleteReadError(b"", 16)
+            return good.manifest() if index == -1 else good.piece(index)
+
+        sync._fetch = fetch  # type: ignore[method-assign]
+
+    target = Attested(good.round, good.hash, good.parent, ("d1",))
+    flaky(lose=1)
+    assert asyncio.run(sync._download(target)) == good and asked.count(("d1", -1)) == 2
+    asked.clear()
+    flaky(lose=2)
+    with pytest.raises(sync_module.StateSyncFailed, match=r"IncompleteReadError.*\(twice\)"):
+        asyncio.run(sync._download(target))
+    asked.clear()
+    flaky(lose=0, refuse=True)
+    with pytest.raises(sync_module.StateSyncFailed, match="state not held here"):
+        asyncio.run(sync._download(target))
+    assert asked == [("d1", -1)]  # a refusal is not asked again
