@@ -94,7 +94,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
                 say("the run starts from freshly initialised weights (the architecture's own initialisation)")
             say(fits(spec, options))
             corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
-        owner = Identity.load_or_create(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
+        owner = _load_identity(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
         run_key, _ = new_run(dht, owner, spec)
         return Opened(run_key, spec, corpus, source.model if source else None, True,
                       source.tokenizer if source else None)
@@ -150,6 +150,16 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
         say(f"{what} at {source.origin} is not the run's start: we take the run's state from its peers")
     return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
                   held, source.tokenizer)
+
+
+def _load_identity(path: str) -> Identity:
+    """A key file (created if absent); ConfigError, in one line, for one that is not an Ed25519 PEM key."""
+    try:
+        return Identity.load_or_create(path)
+    except ValueError as e:
+        raise ConfigError(f"{e}: pass another --identity, or move the file away to get a new identity") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read or create the key file {path}: {e.strerror or e}") from None
 
 
 def _token_cache(options: PeerOptions) -> str | None:
@@ -226,7 +236,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     if options.ephemeral:
         identity, hosts = Identity.generate(), list(options.host_maddrs)
     else:
-        identity = Identity.load_or_create(options.identity_path or os.path.join(options.state_dir, reach.IDENTITY_FILE))
+        identity = _load_identity(options.identity_path or os.path.join(options.state_dir, reach.IDENTITY_FILE))
         hosts = reach.remembered(options.state_dir, options.host_maddrs)
     reach.check_ports(hosts)
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=tuple(hosts),

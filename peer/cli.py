@@ -28,8 +28,22 @@ def _state_dir(value: str | None) -> str:
     return os.path.join(base, "hivetrain")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hivetrain")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peer", description="hivetrain: peer-to-peer volunteer training (DiLoCo)")
+    parser = argparse.ArgumentParser(
+        prog="peer", description="hivetrain: peer-to-peer volunteer training (DiLoCo)",
+        epilog="exit codes: 0 done; 1 the run or the network failed (no peers, a DHT or sync failure); "
+               "2 a usage or configuration error (a flag, a file, a run key, data or a model that does not "
+               "match the run); 130 stopped (Ctrl+C or SIGTERM)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     start = sub.add_parser("start", help="start a new run or join one")
@@ -154,9 +168,24 @@ SPEC_FLAGS = ("sync_every", "inner_lr", "outer_lr", "outer_momentum", "compressi
               "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every", "piece_values")
 
 
+def _check_start_flags(args: argparse.Namespace) -> None:
+    """What can be refused before anything starts, each in one line."""
+    if args.run is not None:
+        args.run = args.run.strip().lower()  # base32 is case-insensitive; run names are lower case
+        if not args.initial_peers:
+            raise ConfigError("joining a run needs --initial-peers MADDR: the address a peer of the run printed "
+                              "(its 'join with:' line), e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
+    if args.metrics_file:
+        folder = os.path.dirname(os.path.abspath(args.metrics_file))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--metrics-file {args.metrics_file}: the folder {folder} does not exist")
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     from hivetrain.peer.app import RunChoice, run_peer
     from hivetrain.peer.config import PeerOptions
+
+    _check_start_flags(args)
 
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),

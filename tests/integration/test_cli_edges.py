@@ -1,0 +1,49 @@
+"""Rough edges a new user hits, found by trying the CLI as one would (step 10): each is one clear line
+and a documented exit code, before anything is started or published."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .conftest import run_cli
+
+UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def _one_line(result, code: int = 2) -> str:  # type: ignore[no-untyped-def]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return str(lines[0])
+
+
+def test_joining_without_initial_peers_says_so_at_once(tmp_path: Path) -> None:
+    line = _one_line(run_cli("start", "--run", "demo." + "a" * 32, "--state-dir", str(tmp_path)))
+    assert "needs --initial-peers" in line and "/ip4/" in line
+    assert not (tmp_path / "identity.key").exists()  # refused before anything started
+
+
+def test_a_metrics_file_in_a_missing_folder_and_a_bad_identity_are_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    line = _one_line(run_cli("start", "--new-run", "edges", "--metrics-file", str(tmp_path / "nope" / "m.jsonl"),
+                             "--state-dir", str(tmp_path)))
+    assert "does not exist" in line and not (tmp_path / "owners").exists()
+    bad = tmp_path / "id.pem"
+    bad.write_text("not a key\n")
+    line = _one_line(run_cli("start", "--new-run", "edges", "--identity", str(bad), "--state-dir", str(tmp_path)))
+    assert "is not a PEM private key" in line and not (tmp_path / "owners").exists()
+
+
+def test_an_upper_case_run_key_is_the_same_key(tmp_path: Path) -> None:
+    # base32 is case-insensitive: the key is accepted, and the error is the unreachable peer, not the key
+    line = _one_line(run_cli("start", "--run", "DEMO." + "A" * 32, "--initial-peers", UNREACHABLE, "--dht-timeout",
+                             "5", "--state-dir", str(tmp_path)), code=1)
+    assert "nothing listens at 127.0.0.1 port 9" in line, line
+
+
+def test_version_and_exit_codes_are_documented() -> None:
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("peer 0."), version
+    helped = run_cli("--help")
+    text = " ".join(helped.stdout.split())  # (argparse wraps the epilog)
+    assert helped.returncode == 0 and "exit codes: 0 done" in text and "2 a usage" in text and "130 stopped" in text
