@@ -59,14 +59,13 @@ class RunChoice:
 @dataclass(frozen=True)
 class Opened:
     """A run opened: its key and spec, the corpus in the model's tokens, and, for a Hugging Face
-    model, the module to train and whether its weights are the run's initial ones (``held``; else
-    the peer takes the run's state by sync before it trains)."""
+    model, the module to train (with the run's initial weights or not: the trainer checks) and its
+    tokenizer."""
 
     run_key: str
     spec: RunSpec
     corpus: Corpus
     model: torch.nn.Module | None = None
-    held: bool = True
     tokenizer: Any = None  # a Hugging Face model's, checked against the spec
 
 
@@ -96,8 +95,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
             corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
         owner = _load_identity(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
         run_key, _ = new_run(dht, owner, spec)
-        return Opened(run_key, spec, corpus, source.model if source else None, True,
-                      source.tokenizer if source else None)
+        return Opened(run_key, spec, corpus, source.model if source else None, source.tokenizer if source else None)
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
     corpus = _load_data(options.data_path, say)
@@ -144,12 +142,9 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
         raise ConfigError(f"the tokenizer at {source.origin} is not the one run {key} uses ({source.tokenizer_hash[:19]} "
                           f"against {spec.tokenizer[:19]})")
     say(fits(spec, options))
-    held = source.has_weights and hf.initial_hash(source.model) == spec.init_hash
-    if not held:
-        what = "our copy of the weights" if source.has_weights else "without weights, the model"
-        say(f"{what} at {source.origin} is not the run's start: we take the run's state from its peers")
+    # (whether our weights are the run's start, the trainer finds out from the state they make)
     return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
-                  held, source.tokenizer)
+                  source.tokenizer)
 
 
 def _load_identity(path: str) -> Identity:
@@ -281,7 +276,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         metrics = MetricsWriter(options.metrics_file)
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust,
-                                       opened.model, opened.held),
+                                       opened.model),
                           options.device, options.eval_batches, say, heartbeat, options.micro_batch,
                           options.checkpointing, options.compile)
         try:

@@ -11,8 +11,10 @@ import torch
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20 + "peers train together and average their work. " * 20)
 
 
-def make_tiny_hf(folder: Path, weights: bool = True, seed: int = 0, vocab_size: int = 320) -> Path:
-    """config.json, tokenizer files and (``weights``) model.safetensors of a ~30k-parameter Llama."""
+def make_tiny_hf(folder: Path, weights: bool = True, seed: int = 1234, vocab_size: int = 320) -> Path:
+    """config.json, tokenizer files and (``weights``) model.safetensors of a ~30k-parameter Llama. The
+    weights are not what ``hf.from_config`` (seed 0) builds from the config alone, as a trained model's
+    would not be: a peer without them holds another state and must sync."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -386,34 +386,31 @@ class StateKeeper:
         did. The state we synced may be seconds old, so the others are that far into their inner
         steps: starting ours now we would be ready too late for their group and train a round alone.
         Syncing again right after their next boundary, we start with them."""
-        deadline = time.monotonic() + timeout
         watched = set(attesters)
-        while time.monotonic() < deadline:
+        moved = self._wait_past(round_, watched, time.monotonic() + timeout, lambda m: 2 * len(m) > len(watched))
+        return 2 * len(moved) > len(watched)  # most of them: fork choice will see the new state
+
+    def _wait_past(self, round_: int, peers: set[str], until: float, enough: Callable[[set[str]], bool]) -> set[str]:
+        """Reads the run's heartbeats until those of ``peers`` that attest a state past ``round_`` are
+        ``enough``, or ``until`` (``time.monotonic()``) passes; returns them."""
+        moved: set[str] = set()
+        while True:
             try:
                 found = attestations(read_heartbeats(self.sync.dht, self.sync.run_key))
-            except (PeerError, DHTError):
+            except (PeerError, DHTError):  # a slow read: ask again until the deadline
                 found = []
-            moved = {a.peer for a in found if a.peer in watched and a.state.round > round_}
-            if 2 * len(moved) > len(watched):  # most of them: fork choice will see the new state
-                return True
-            time.sleep(0.25)
-        return False
+            moved |= {a.peer for a in found if a.peer in peers and a.state.round > round_}
+            if enough(moved) or time.monotonic() >= until:
+                return moved
+            time.sleep(0.25)  # the DHT has no watch; bounded by ``until``
 
     def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
         """After a round we voided or trained alone (training thread): waits until each of ``peers``
         announces a state past ``round_``, at most until ``until`` (``time.monotonic()``); returns
         the peers that did not. A member that died never announces: the wait is bounded by when
         the living ones must have ended the round (their all-reduce deadline)."""
-        waiting = set(peers)
-        while True:
-            try:
-                found = attestations(read_heartbeats(self.sync.dht, self.sync.run_key))
-            except (PeerError, DHTError):
-                found = []
-            waiting -= {a.peer for a in found if a.state.round > round_}
-            if not waiting or time.monotonic() >= until:
-                return sorted(waiting)
-            time.sleep(0.25)  # the DHT has no watch; bounded by ``until``
+        waited = set(peers)
+        return sorted(waited - self._wait_past(round_, waited, until, lambda m: m == waited))
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``

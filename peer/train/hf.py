@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +70,11 @@ class Source:
     has_weights: bool
     origin: str  # what the user named: the preset or the folder
 
-    @property
+    @cached_property
     def summary(self) -> ModelConfig:
         return hf_summary(self.config_json)
 
-    @property
+    @cached_property
     def tokenizer_hash(self) -> str:
         return tokenizer_hash(self.tokenizer)
 
@@ -252,11 +252,6 @@ def tokenize_corpus(corpus: Corpus, source: Source, say: Callable[[str], None] =
     say(f"data: {train.numel():,} training and {heldout.numel():,} held-out tokens ({ratio:.1f} bytes per token)")
     return Corpus(train, heldout, corpus.source, corpus.digest, corpus.n_docs_train, corpus.n_docs_heldout,
                   corpus.skipped, corpus.n_files)
-
-
-def bits_per_byte(loss_nats: float, corpus_bytes: int, tokens: int) -> float:
-    """Mean loss per token (nats) as bits per byte of text: comparable across tokenizers."""
-    return loss_nats * tokens / max(corpus_bytes, 1) / math.log(2)
 
 
 def initial_hash(model: nn.Module) -> str:

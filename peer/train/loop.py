@@ -92,7 +92,6 @@ class TrainerParts:
     state: StateHooks | None = None
     trust: Trust | None = None  # the earned-trust ledger the averager and fork choice read; we record into it
     model: nn.Module | None = None  # a Hugging Face model (peer/train/hf.py); None: build the spec's built-in model
-    held: bool = True  # False: ``model``'s weights are not the run's start; its state comes by sync first
 
 
 class Trainer:
@@ -107,7 +106,6 @@ class Trainer:
         self.heartbeat = heartbeat or (lambda **kw: None)
         model = parts.model if parts.model is not None else build_model(spec.model, spec.init_seed)
         self.model = model.to(self.device)
-        self.held = parts.held
         if checkpointing:  # activations recomputed block by block in the backward pass: memory for compute
             inner = getattr(self.model, "inner", None)
             if inner is not None:
@@ -125,6 +123,9 @@ class Trainer:
         self.sampler = ShardSampler(parts.corpus.train, spec.seq_len, spec.batch_size, seed)
         self.eval_set = eval_batches(parts.corpus.heldout, spec.seq_len, spec.batch_size, eval_batch_count)
         self.numel = self.outer.numel
+        # a run that names its start (a Hugging Face model): weights that are not it (none, or another copy)
+        # hold no state of the run, which then comes by sync first (take_run_state)
+        self.held = not spec.init_hash or self.outer.hash() == spec.init_hash
         self.max_rounds = 0
         self._mark = time.perf_counter()  # when the previous round record was written (or training started)
         self._cpu_mark = time.process_time()  # the process's CPU time then
@@ -196,17 +197,18 @@ class Trainer:
         peers (fork choice as a joiner, our own state without a vote) before training."""
         if self.parts.state is None:
             raise StateMismatch("this peer has no weights of the run's start and no peers to take them from")
-        waited = 0.0
-        self.log("we have no copy of the run's initial weights: taking the run's state from its peers first")
-        while not self.held:
+        deadline = time.monotonic() + self._boundary_wait  # (a catch_up's reads and download count too)
+        self.log(f"our weights are not the run's start ({self.spec.init_hash[:12]}): taking the run's state from its "
+                 "peers first")
+        while True:
             self.catch_up()
             if self.held:
                 return
-            if waited >= self._boundary_wait:
-                raise StateMismatch(f"no peer of the run served its state within {waited:.0f} s; start a peer that has "
-                                    "the run's initial weights (the same --model folder with its *.safetensors)")
+            if time.monotonic() >= deadline:
+                raise StateMismatch(f"no peer of the run served its state within {self._boundary_wait:.0f} s; start "
+                                    "a peer that has the run's initial weights (the same --model folder with its "
+                                    "*.safetensors)")
             time.sleep(2.0)
-            waited += 2.0
 
     def resume(self, snapshot: Snapshot) -> None:
         """Starts from a verified local checkpoint (its lineage included); the first ``catch_up``

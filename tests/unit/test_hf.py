@@ -123,3 +123,19 @@ def test_tokenized_corpora_are_kept_and_a_damaged_cache_is_redone(tmp_path: Path
     cached.write_bytes(bytes(data))
     redone = hf.tokenize_corpus(corpus, source, lambda _: None, str(tmp_path))
     assert torch.equal(first.train, redone.train) and cached.read_bytes() != bytes(data)
+
+
+def test_a_peer_holds_the_runs_start_exactly_when_its_weights_make_that_state(source: hf.Source) -> None:
+    from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
+    from tests.unit.test_trainer_round import Recorder
+
+    docs = [f"document {i}: peers train together, the quick brown fox {i}".encode() for i in range(30)]
+    corpus = hf.tokenize_corpus(split_documents(docs, "t", min_tokens=64), source, lambda _: None)
+    spec = _spec(source, batch_size=2, sync_every=1, seq_len=16)
+
+    def trainer(model: torch.nn.Module) -> Trainer:
+        return Trainer(TrainerParts(spec, "p", corpus, Recorder(), MetricsWriter(None), model=model), eval_batch_count=1,
+                       log=lambda _: None)
+
+    assert trainer(source.model).held  # its own folder's weights: the start the spec names
+    assert not trainer(hf.from_config(source.config_json)).held  # built from the config alone: another state

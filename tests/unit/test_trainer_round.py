@@ -154,3 +154,4 @@ def test_a_gpu_peer_and_a_cpu_peer_agree_bit_for_bit_on_the_master_state(corpus:
     on_device = torch.cat([p.detach().flatten().cpu() for p in gpu.model.parameters()])
     assert torch.equal(on_device, gpu.outer.master)  # the GPU model holds the master's exact bytes
     assert state_hash(gpu.outer.round, on_device, gpu.outer.momentum, gpu.outer.parent, gpu.outer.link) == gpu.outer.hash()
+
