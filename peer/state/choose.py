@@ -11,9 +11,11 @@ counts identities where it matters.
    counted from that peer's last heartbeat we saw). 10**9 is refused at once.
 2. Only trusted peers' attestations are used; a stranger weighs 0, whatever it claims.
 3. States are linked into a tree by parent (a parent is one round earlier, so no cycles), our own
-   recent states included. Our state weighs ``self_weight``, a trusted peer ``Trust.weight``; a
-   trusted peer whose state is an ancestor of ours has not yet published the round we finished
-   and counts for our state.
+   recent states included. Our state weighs ``self_weight``, a trusted peer ``Trust.weight``. A
+   *partner* (a member of the group whose round made our state) whose state is an ancestor of ours
+   has not yet published that round: it counts for our state. Any other attester of an ancestor
+   counts where it is, above the fork: a peer that died before publishing, or a member of a round
+   we voided or trained alone, never holds us on a lineage it did not make.
 4. From the roots down, the subtree with more weight is taken at every fork (ties: the later
    latest weighted state, then its smaller hash), until no child carries weight. If that ends at
    our state we keep it; otherwise we move to where it ends: ahead on our own lineage (we stalled
@@ -26,8 +28,10 @@ counts identities where it matters.
 a manifest matching the state they attest, each as what the connection our own daemon holds to it
 says (``vote_key``): one vote per IPv4 /24 or IPv6 /48; addresses exempt from prefixes (loopback,
 private, relayed) one vote per IP. The state with the most distinct votes wins; our own state has
-one vote of its own, and attesters of states our own history descends from (behind us) vote for
-it. Ties: more such attesters, then the higher round, then the smaller hash. On one host (one IP)
+one vote of its own. States our own history descends from (behind us) neither win nor vote for
+ours: a joiner completed no round with anyone, so nobody behind it is a partner (a dead peer's
+last heartbeat must not hold it on a lineage it trained alone). Ties: more such attesters, then the
+higher round, then the smaller hash. On one host (one IP)
 every state has one vote, so identities decide there.
 
 What an attacker with N identities on M prefixes can do (H: distinct prefixes among the honest
@@ -86,6 +90,7 @@ class Own:
     state: State
     history: tuple[State, ...] = ()
     held: bool = True  # False: ``state`` is not a state of the run (no weights of its start): it gets no vote
+    partners: frozenset[str] = frozenset()  # the group whose round made ``state`` (none: void, alone, synced)
 
 
 @dataclass(frozen=True)
@@ -182,9 +187,9 @@ def _tree(own: Own, trusted: list[Attestation], weights: Mapping[str, float], se
         k = parent.get(k)
     support: dict[Key, float] = defaultdict(float)
     support[mine] += self_weight
-    for a in trusted:  # a trusted peer behind us on our lineage has not published our round yet: ours
+    for a in trusted:  # a partner behind us on our lineage has not published our round yet: ours
         key = (a.state.round, a.state.hash)
-        support[mine if key in ours else key] += weights[a.peer]
+        support[mine if key in ours and a.peer in own.partners else key] += weights[a.peer]
     nodes = set(parent_hash) | set(parent.values())
     total: dict[Key, float] = dict.fromkeys(nodes, 0.0)
     latest: dict[Key, Key] = {}
@@ -301,15 +306,15 @@ def _ancestors(own: Own) -> set[Key]:
 def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[str, str | None]) -> Choice:
     """The joiner's rule (module doc). ``plan``: attesters contacted per state; ``votes``: the
     ``vote_key`` of each attester that served a manifest matching its state (others: absent).
-    An attester of a state our own history descends from is behind us, not a competitor: its vote
-    counts for our state, as in ``choose``."""
-    behind = _ancestors(own)
+    A state our own history descends from is behind us: neither a competitor nor a vote for us."""
+    behind = _ancestors(own) if own.held else set()
     tally: dict[State, tuple[set[str], list[str]]] = {own.state: ({SELF_VOTE}, [own.me])} if own.held else {}
     for state, peers in plan.items():
+        if (state.round, state.hash) in behind:
+            continue
         cast = {p: key for p in peers if (key := votes.get(p))}
-        mine = own.held and (state == own.state or (state.round, state.hash) in behind)
-        keys, voters = tally.get(own.state if mine else state, (set(), []))
-        tally[own.state if mine else state] = (keys | set(cast.values()), voters + list(cast))
+        keys, voters = tally.get(state, (set(), []))
+        tally[state] = (keys | set(cast.values()), voters + list(cast))
     tally = {state: cast for state, cast in tally.items() if cast[0]}  # (held: ours always has its vote)
     if not tally:
         return Choice(None)

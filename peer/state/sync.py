@@ -73,6 +73,7 @@ MAX_SERVING = 32  # requests served at once (a piece reply holds ~2 MiB until wr
 MAX_PER_REQUESTER = 4  # per requesting peer: a download keeps PER_DONOR in flight per donor
 WRITE_TIMEOUT = 20.0  # seconds to write one reply
 HISTORY = 8  # our recent states kept for lineage links
+END_GRACE = 2.0  # seconds wait_for_end gives the rest of a round's peers once one of them said how it ended
 MAX_REMEMBERED = 1024  # poisoned hashes and already-named claimants (oldest forgotten)
 
 
@@ -333,13 +334,14 @@ class StateKeeper:
         # (round, base) -> None: announces that we will train that round (set by the caller; see catch_up)
         self.announce: Callable[[int, str], None] | None = None
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False,
-                 held: bool = True) -> tuple[Snapshot, dict[str, Any]] | None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False, held: bool = True,
+                 partners: Collection[str] = ()) -> tuple[Snapshot, dict[str, Any]] | None:
         """At a round boundary (training thread): the state fork choice moves us to, verified, or None.
-        ``held``: False while our state is not one of the run's (its weights come by sync): no vote."""
+        ``held``: False while our state is not one of the run's (its weights come by sync): no vote.
+        ``partners``: the group whose round made our state (none after a void or lone round, or a sync)."""
         mine = next((s for s in reversed(self.history) if (s.round, s.hash) == (round_, state_hash)),
                     State(round_, state_hash, ZERO))
-        own = Own(self.sync.dht.peer_id, mine, tuple(self.history), held)
+        own = Own(self.sync.dht.peer_id, mine, tuple(self.history), held, frozenset(partners))
         weights = self.trust.trusted(round_) if held and self.trust.has_history(round_) else {}
         now = time.monotonic()
         clock = Clock(self.min_round_s, now - self._boundary, {p: (r, now - t) for p, (r, t) in self._seen.items()})
@@ -407,10 +409,19 @@ class StateKeeper:
     def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
         """After a round we voided or trained alone (training thread): waits until each of ``peers``
         announces a state past ``round_``, at most until ``until`` (``time.monotonic()``); returns
-        the peers that did not. A member that died never announces: the wait is bounded by when
-        the living ones must have ended the round (their all-reduce deadline)."""
+        the peers that did not. A member that died never announces: once one of them has, the rest
+        get ``END_GRACE`` seconds more (members of one group end a round within moments of each
+        other), else the wait would last until ``until`` (their all-reduce deadline) and we would
+        come too late for their next group."""
         waited = set(peers)
-        return sorted(waited - self._wait_past(round_, waited, until, lambda m: m == waited))
+        first: list[float] = []
+
+        def enough(moved: set[str]) -> bool:
+            if moved and not first:
+                first.append(time.monotonic())
+            return moved == waited or bool(first) and time.monotonic() - first[0] >= END_GRACE
+
+        return sorted(waited - self._wait_past(round_, waited, until, enough))
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO, cast
 
@@ -34,12 +34,13 @@ from hivetrain.peer.trust import Trust
 class StateHooks(Protocol):
     """What the loop asks of the network about state, at round boundaries (training thread)."""
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False,
-                 held: bool = True) -> tuple[Snapshot, dict[str, Any]] | None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False, held: bool = True,
+                 partners: Collection[str] = ()) -> tuple[Snapshot, dict[str, Any]] | None:
         """A verified state this peer should move to (the run is ahead or disagrees) and how it was
         obtained, or None to keep ours. ``announce``: we will train the round we move to, so tell
         the run before downloading (the others wait for us within their grace). ``held``: False
-        while our state is not one of the run's (no weights of its start): ours then gets no vote."""
+        while our state is not one of the run's (no weights of its start): ours then gets no vote.
+        ``partners``: the group whose round made our state; only they may not have published it yet."""
         ...
 
     def committed(self, snapshot: Snapshot) -> None:
@@ -134,6 +135,7 @@ class Trainer:
         self._joined = False  # a joiner waits once, after its first sync, for the run's next boundary
         # (round, peers, until): the peers that may end the round we just ended without us (see catch_up)
         self._awaiting: tuple[int, tuple[str, ...], float] = (-1, (), 0.0)
+        self._made_with: tuple[str, tuple[str, ...]] = ("", ())  # (state hash, the group whose round made it)
         self._boundary_wait = 2 * spec.matchmaking_timeout + spec.allreduce_timeout + 60.0  # seconds, at most
         self.totals = {"bytes_sent": 0, "bytes_received": 0, "inner_steps": 0, "rounds_completed": 0,
                        "rounds_void": 0, "ddp_equivalent_bytes": 0}
@@ -235,8 +237,10 @@ class Trainer:
         # a joiner's first sync lands inside the others' round, which it will not train (it waits for
         # their next boundary, below): it announces nothing; any later sync it does announce
         trusted = self.parts.trust is not None and self.parts.trust.has_history(self.outer.round)
-        found = self.parts.state.catch_up(self.outer.round, self.outer.hash(), announce=self._joined or trusted,
-                                          held=self.held)
+        mine = self.outer.hash()
+        partners = self._made_with[1] if self._made_with[0] == mine else ()
+        found = self.parts.state.catch_up(self.outer.round, mine, announce=self._joined or trusted,
+                                          held=self.held, partners=partners)
         if found is None:
             return
         snapshot, info = found
@@ -396,6 +400,7 @@ class Trainer:
         self._mark = now
         eval_loss = self._eval() if self._eval_due() else None
         state = self.outer.hash()
+        self._made_with = (state, tuple(record["group"]) if record["group_size"] > 1 else ())
         record.update(state_hash=state, eval_loss=eval_loss, eval_s=time.perf_counter() - now)
         self.parts.metrics.write(record)
         self._committed(record["tokens_per_s"], record["train_loss"], eval_loss)

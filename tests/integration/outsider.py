@@ -78,6 +78,17 @@ async def honest_heartbeats(node: DHTNode, run_key: str) -> list[dict[str, Any]]
     return out
 
 
+async def reply_code(reader: asyncio.StreamReader) -> str:
+    """The code of the one frame a peer sent on a stream (or what happened instead)."""
+    try:
+        prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), 5)
+        _, header_len, _ = PREFIX.unpack(prefix)
+        header = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(header_len), 5), raw=False)
+        return f"code {header['code']}" if header.get("type") == "ack" else str(header.get("type"))
+    except Exception as e:
+        return type(e).__name__
+
+
 async def frame(p2p: P2P, peer: str, protocol: str, data: bytes, read: bool = True) -> str:
     """Writes raw bytes on a fresh stream; returns the reply code the peer sent (or what happened)."""
     try:
@@ -161,14 +172,17 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
             # 4. a flood of streams that never say anything
             opened = 0
             for peer in peers:
+                last = None
                 for _ in range(100):
                     try:
-                        _, _, writer = await asyncio.wait_for(
+                        _, last, writer = await asyncio.wait_for(
                             p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol), 5)
                         stalled.append(writer)
                         opened += 1
                     except Exception:
                         break
+                if last is not None:  # the last silent stream is beyond the per-peer cap: answered at once
+                    log["flood"].setdefault("last reply", []).append(await reply_code(last))
             log["flood"]["opened"] = log["flood"].get("opened", 0) + opened
             stalled = stalled[-600:]
             await asyncio.sleep(1.0)

@@ -83,8 +83,9 @@ def test_an_outsider_with_stock_hivemind_cannot_take_over_split_or_stall_the_run
     # refused on the prefix, the stream closed on it while it was still pushing
     assert set(frames["body pushed unasked"]) <= {"code 11", "code 12", "BrokenPipeError", "ConnectionResetError",
                                                  "ControlFailure", "IncompleteReadError"}, frames
-    assert "code 11" in frames["oversized header"], frames  # BUSY: the flood of silent streams hit the cap
-    assert log["flood"]["opened"] >= 100, log["flood"]
+    # the flood of silent streams hit the per-peer cap: the streams beyond it were refused at once with BUSY
+    # (later frames may meet the daemon's own stream limit instead, while the attacker holds them all open)
+    assert log["flood"]["opened"] >= 100 and "code 11" in log["flood"]["last reply"], log["flood"]
 
     # the honest peers trained on, together, and never took the forged state
     per_round = [[r for r in p.records() if r["round"] == n] for p in peers for n in range(ROUNDS)]

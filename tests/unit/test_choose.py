@@ -42,8 +42,8 @@ def att(peer: str, state: State) -> Attestation:
     return Attestation(peer, state)
 
 
-def own(states: list[State], me: str = "me") -> Own:
-    return Own(me, states[-1], tuple(states))
+def own(states: list[State], me: str = "me", partners: tuple[str, ...] = ()) -> Own:
+    return Own(me, states[-1], tuple(states), partners=frozenset(partners))
 
 
 FULL = {"t1": 1.0, "t2": 1.0, "t3": 1.0}
@@ -122,11 +122,33 @@ def test_a_void_sibling_does_not_pull_us_while_our_partner_has_not_published() -
     """We and Q completed round 9 (A10); P voided it (V10). Q's heartbeat still says A9."""
     v10 = st("V10", 10, "A9")
     weights = {"P": 1.0, "Q": 1.0, "me": 1.0}
-    assert established([att("P", v10), att("Q", A9)], own([A8, A9, A10]), weights)[0] is None
-    # P's view: Q is behind on P's lineage too, so P keeps V10 for now ...
-    assert established([att("me", A10), att("Q", A9)], own([A8, A9, v10], "P"), weights)[0] is None
-    # ... and goes back as soon as Q publishes A10
-    assert established([att("me", A10), att("Q", A10)], own([A8, A9, v10], "P"), weights)[0] == A10
+    heartbeats = [att("P", v10), att("Q", A9)]
+    assert established(heartbeats, own([A8, A9, A10], partners=("me", "Q")), weights)[0] is None
+    # Q is our partner: it counts for A10 before it publishes it. Were it not, a tie settled by hash
+    assert established(heartbeats, own([A8, A9, A10]), weights)[0] == (None if A10.hash < v10.hash else v10)
+    # P's view: Q did not make V10 with P, so Q counts for neither side ...
+    for_p = own([A8, A9, v10], "P")
+    assert established([att("me", A10), att("Q", A9)], for_p, weights)[0] == \
+        established([att("me", A10)], for_p, weights)[0]
+    # ... and P goes over as soon as Q publishes A10
+    assert established([att("me", A10), att("Q", A10)], for_p, weights)[0] == A10
+
+
+def test_a_dead_peers_last_heartbeat_does_not_hold_us_on_a_lineage_we_made_alone() -> None:
+    """Round 9: the victim died after matchmaking; we decided without it first and trained alone
+    (L10), P and Q decided a group with it and voided (V10). The victim's last heartbeat says A9,
+    the parent of both, for as long as it lives in the DHT. It counts for neither side: we move to
+    the lineage of P and Q at once, not after a tie settled by hash every round until it expires."""
+    v10 = st("V10", 10, "A9")
+    weights = {"P": 1.0, "Q": 1.0, "victim": 1.0, "me": 1.0}
+    heartbeats = [att("victim", A9), att("P", v10), att("Q", v10)]
+    for tag in ("L", "M", "N"):  # whichever hash is smaller
+        assert established(heartbeats, own([A8, A9, st(f"{tag}10", 10, "A9")]), weights)[0] == v10
+    assert established(heartbeats, own([A8, A9, v10], "P"), weights)[0] is None  # and P stays
+    # a partner that died before publishing still counts for the state its round made
+    l10 = st("L10", 10, "A9")
+    tie = established([att("victim", A9), att("P", v10)], own([A8, A9, l10], partners=("me", "victim")), weights)[0]
+    assert tie == (None if l10.hash < v10.hash else v10)
 
 
 def test_a_partition_heals_towards_more_earned_weight_not_more_rounds() -> None:
@@ -292,6 +314,17 @@ def test_a_joiner_never_goes_back_along_its_own_lineage() -> None:
     found = [att("p1", other), att("p2", other), att("p3", other), att("p4", init)]
     addrs = {f"p{i + 1}": [a] for i, a in enumerate([*HONEST_ADDRS, "/ip4/100.20.0.1/tcp/1"])}
     assert joiner(found, addrs, mine) == other
+
+
+def test_a_joiner_is_not_held_on_a_round_it_trained_alone_by_a_heartbeat_behind_it() -> None:
+    """A joiner synced H5 and trained round 5 alone (J6): the run's group made T6. The last
+    heartbeat of a peer that died at H5 is behind the joiner; it is no vote for J6."""
+    j6, t6 = st("J6", 6, "H5"), st("T6", 6, "H5")
+    mine = own([H5, j6], "joiner")
+    loop = ["/ip4/127.0.0.1/tcp/1"]
+    found = [att("dead", H5), att("p1", t6), att("p2", t6)]
+    assert joiner(found, {p: loop for p in ("dead", "p1", "p2")}, mine) == t6
+    assert joiner([att("dead", H5)], {"dead": loop}, mine) is None  # and never back to H5
 
 
 def test_contacts_are_bounded_and_spread_over_states() -> None:

@@ -16,7 +16,7 @@ from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
 from hivetrain.peer.net.wire import encode_frame, read_frame
 from hivetrain.peer.state import sync as sync_module
-from hivetrain.peer.state.choose import Attested, Choice, Clock, Own, State
+from hivetrain.peer.state.choose import Attestation, Attested, Choice, Clock, Own, State
 from hivetrain.peer.state.heartbeats import heartbeat_envelope
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.state.sync import (
@@ -185,6 +185,7 @@ class FakeSync:
     def __init__(self, choice: Choice, error: Exception | None = None):
         self.choice, self.error, self.calls = choice, error, []
         self.dht = type("D", (), {"peer_id": "me"})()
+        self.run_key = "run"
         self.served: list[Snapshot] = []
         self.reach: dict[str, int] = {}  # the reachability mix of the heartbeats last read
 
@@ -218,6 +219,38 @@ def test_the_keeper_logs_refused_claims_once_and_never_retries_a_poisoned_state(
     assert clock.min_round_s == 0.2 and 0 <= clock.since_boundary < 5
     assert fake.calls[0][2].seen == {} and set(clock.seen) == {"t1"} and clock.seen["t1"][0] == 6
     assert fake.calls[0][1] == weights and "ee" * 32 not in fake.calls[0][3]
+
+
+def test_the_keeper_passes_the_partners_of_our_state_to_fork_choice() -> None:
+    fake = FakeSync(Choice(None))
+    keeper = StateKeeper(fake, Trust(), None, 1.0, 0.2, log=lambda _: None)  # type: ignore[arg-type]
+    keeper.catch_up(3, "ab" * 32, partners=("me", "t1"))
+    keeper.catch_up(3, "ab" * 32)
+    assert fake.calls[0][0].partners == {"me", "t1"} and fake.calls[1][0].partners == frozenset()
+
+
+def test_waiting_for_a_rounds_end_does_not_wait_for_a_dead_peer_once_the_others_said(monkeypatch) -> None:
+    """A peer that died in the round never publishes: once one awaited peer said how the round
+    ended, the rest get END_GRACE more seconds, not the whole wait (we would miss their next group)."""
+    t0 = time.monotonic()
+    said = {"A": 0.0, "B": 0.3}  # seconds after the start at which each publishes round 4
+
+    def heartbeats(dht: Any, run_key: str) -> list[Any]:
+        now = time.monotonic() - t0
+        return [Attestation(p, State(4 if now >= at else 3, "ab" * 32, "0" * 64)) for p, at in said.items()] \
+            + [Attestation("dead", State(3, "cd" * 32, "0" * 64))]
+
+    monkeypatch.setattr(sync_module, "read_heartbeats", heartbeats)
+    monkeypatch.setattr(sync_module, "attestations", lambda found: found)
+    monkeypatch.setattr(sync_module, "END_GRACE", 1.0)
+    keeper = StateKeeper(FakeSync(Choice(None)), Trust(), None, 1.0, 0.2, log=lambda _: None)  # type: ignore[arg-type]
+    assert keeper.wait_for_end(3, ("A", "B", "dead"), time.monotonic() + 60) == ["dead"]
+    assert time.monotonic() - t0 < 10  # the grace, not the 60 s bound
+    assert keeper.wait_for_end(3, ("A", "B"), time.monotonic() + 60) == []  # all said: no grace at all
+    said["B"] = 1e9  # B never says: it is named once the grace is over
+    assert keeper.wait_for_end(3, ("A", "B"), time.monotonic() + 60) == ["B"]
+    t1 = time.monotonic()
+    assert keeper.wait_for_end(3, ("dead",), t1 + 1.0) == ["dead"] and time.monotonic() - t1 >= 1.0  # nobody said
 
 
 def test_a_keeper_without_history_asks_as_a_joiner() -> None:

@@ -88,7 +88,8 @@ class Hooks:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object]] = []
 
-    def catch_up(self, round_: int, state_hash: str, announce: bool = False, held: bool = True) -> None:
+    def catch_up(self, round_: int, state_hash: str, announce: bool = False, held: bool = True,
+                 partners: tuple[str, ...] = ()) -> None:
         self.calls.append(("catch_up", round_))
 
     def committed(self, snapshot: object) -> None:
