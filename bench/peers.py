@@ -82,7 +82,7 @@ def peer_cmd(args: argparse.Namespace, workdir: Path, name: str, host: str, max_
     return [sys.executable, "-m", "hivetrain.peer.cli", "start", "--threads", "1",
             "--metrics-file", str(workdir / f"{name}.jsonl"), "--info-file", str(workdir / f"{name}.json"),
             "--state-dir", str(workdir / f"{name}-state"), "--host-maddrs", f"/ip4/{host}/tcp/0",
-            "--max-rounds", str(max_rounds), "--wait-for-peers", "3", "--wait-timeout", "120",
+            "--until-round", str(max_rounds), "--wait-for-peers", "3", "--wait-timeout", "120",
             "--eval-batches", "0", "--quiet", *run]
 
 

@@ -55,7 +55,7 @@ def _cmd(workdir: Path, name: str, host: str, args: argparse.Namespace, run: lis
     return [sys.executable, "-m", "hivetrain.peer.cli", "start", "--threads", "1",
             "--metrics-file", str(workdir / f"{name}.jsonl"), "--info-file", str(workdir / f"{name}.json"),
             "--state-dir", str(workdir / f"{name}-state"), "--host-maddrs", f"/ip4/{host}/tcp/0",
-            "--max-rounds", str(args.rounds + 1), "--wait-for-peers", "3", "--wait-timeout", "120",
+            "--until-round", str(args.rounds + 1), "--wait-for-peers", "3", "--wait-timeout", "120",
             "--eval-batches", "0", *run]
 
 

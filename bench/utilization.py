@@ -20,7 +20,7 @@ synchronous all-reduce of the model at 100 Mbit/s (int8 with audits: ~2 bytes pe
 with a group of exactly 3 (``--min-group-size 3``), ``--max-per-prefix 0`` (all peers share one /24) and
 no held-out evaluation (``--eval-batches 0``). The peers are stopped once each has written the rounds
 needed: ``--warmup`` skipped (one more in overlap mode, whose first round overlaps nothing), then
-``--rounds`` measured; ``--max-rounds`` is one more, so the measured rounds are never the last.
+``--rounds`` measured; ``--until-round`` is one more, so the measured rounds are never the last.
 
 Per peer, medians over the measured rounds (bench/utilization_rows.py): utilization = time in inner steps /
 wall time, matchmaking seconds, all-reduce seconds, bound = bytes the peer sent x 8 / its upload rate,

@@ -11,6 +11,10 @@ class BootstrapError(DHTError):
     """The initial peers are malformed or none of them could be reached."""
 
 
+class AddressError(BootstrapError):
+    """A multiaddr given by the user is malformed (a usage error, not a network failure)."""
+
+
 class InvalidRecord(DHTError):
     """A record is malformed, oversized, expired too far ahead, or its signature does not verify."""
 

@@ -24,7 +24,7 @@ from multiaddr import Multiaddr
 
 from . import hardening, store_guard
 from .diagnose import diagnose
-from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
+from .errors import AddressError, BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .identity import Identity, public_key_of
 from .process import children_die_with_us, remove_stale_sockets
 from .quota import QuotaConfig
@@ -37,20 +37,26 @@ MAX_KNOWN = 256
 logger = logging.getLogger(__name__)
 
 
+EXAMPLE_PEER = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."  # shown in errors: the form of a peer's address
+EXAMPLE_HOST = "/ip4/0.0.0.0/tcp/31337"  # ... and of an address to listen on or announce
+
+
 def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[Multiaddr]:
     """Validates multiaddrs given by a user; raises BootstrapError with a one-line explanation."""
     out = []
+    example = EXAMPLE_PEER if need_peer_id else EXAMPLE_HOST
     for value in values:
         try:
             maddr = Multiaddr(value)
         except Exception as e:
-            raise BootstrapError(f"{what} {value!r} is not a valid multiaddr ({e})") from None
+            raise AddressError(f"{what} {value!r} is not a valid multiaddr ({e}); the form is {example}") from None
         protocols = {p.name for p in maddr.protocols()}
         if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"} or "tcp" not in protocols:
-            raise BootstrapError(f"{what} {value!r} must name an IP (or DNS) address and a TCP port")
+            raise AddressError(f"{what} {value!r} must name an IP (or DNS) address and a TCP port, e.g. {example}")
         if need_peer_id and "p2p" not in protocols:
-            raise BootstrapError(
-                f"{what} {value!r} has no /p2p/<peer id> part; copy the full address a running peer prints"
+            raise AddressError(
+                f"{what} {value!r} has no /p2p/<peer id> part; copy the full address a running peer prints, "
+                f"e.g. {example}"
             )
         out.append(maddr)
     return out

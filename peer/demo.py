@@ -23,7 +23,7 @@ from hivetrain.peer.errors import ConfigError, PeerError
 
 def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, str] | None) -> list[str]:
     cmd = [sys.executable, "-m", "hivetrain.peer.cli", "start", "--quiet", "--threads", "1",
-           "--max-rounds", str(args.rounds), "--metrics-file", os.path.join(workdir, f"peer{i}.jsonl"),
+           "--until-round", str(args.rounds), "--metrics-file", os.path.join(workdir, f"peer{i}.jsonl"),
            "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers),
            "--eval-batches", str(args.eval_batches)]
     if join is None:

@@ -423,6 +423,10 @@ class StateKeeper:
 
         return sorted(waited - self._wait_past(round_, waited, until, enough))
 
+    def peers_seen(self) -> int | None:
+        """Peers whose heartbeats the last fork choice read (ours included; None: none read yet)."""
+        return sum(self.sync.reach.values()) if self.sync.reach else None
+
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``
         seconds; returns how many were seen. Counts libp2p identities whose heartbeats are bound

@@ -10,7 +10,9 @@ import contextlib
 import hashlib
 import json
 import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO, cast
@@ -57,6 +59,10 @@ class StateHooks(Protocol):
         (``time.monotonic()``); returns those that did not."""
         ...
 
+    def peers_seen(self) -> int | None:
+        """Peers whose heartbeats the last look at the run found (None: not looked yet)."""
+        ...
+
 
 def ring_allreduce_bytes(numel: int, group_size: int, bytes_per_value: int = 4) -> int:
     """Bytes one member sends in a bandwidth-optimal fp32 all-reduce (what DDP sends per step)."""
@@ -68,10 +74,18 @@ def ring_allreduce_bytes(numel: int, group_size: int, bytes_per_value: int = 4) 
 class MetricsWriter:
     """Appends one JSON object per line; flushed at once so other processes can follow it."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, keep: int = 2000):
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+        self._history: deque[dict[str, Any]] = deque(maxlen=keep)  # the latest records (the dashboard's)
+        self._lock = threading.Lock()  # the dashboard reads them from its own threads
+
+    def recent(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._history)
 
     def write(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._history.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -127,7 +141,7 @@ class Trainer:
         # a run that names its start (a Hugging Face model): weights that are not it (none, or another copy)
         # hold no state of the run, which then comes by sync first (take_run_state)
         self.held = not spec.init_hash or self.outer.hash() == spec.init_hash
-        self.max_rounds = 0
+        self.max_rounds = 0  # the run's round this process stops at (0: never); set by ``run``
         self._mark = time.perf_counter()  # when the previous round record was written (or training started)
         self._cpu_mark = time.process_time()  # the process's CPU time then
         self._computed = 0.0  # seconds of inner steps since the previous round record
@@ -136,6 +150,7 @@ class Trainer:
         # (round, peers, until): the peers that may end the round we just ended without us (see catch_up)
         self._awaiting: tuple[int, tuple[str, ...], float] = (-1, (), 0.0)
         self._made_with: tuple[str, tuple[str, ...]] = ("", ())  # (state hash, the group whose round made it)
+        self.progress: Callable[..., None] = lambda **fields: None  # the console's live line (peer/progress.py)
         self._boundary_wait = 2 * spec.matchmaking_timeout + spec.allreduce_timeout + 60.0  # seconds, at most
         self.totals = {"bytes_sent": 0, "bytes_received": 0, "inner_steps": 0, "rounds_completed": 0,
                        "rounds_void": 0, "ddp_equivalent_bytes": 0}
@@ -153,7 +168,7 @@ class Trainer:
         self.model.train()
         total, t0 = 0.0, time.perf_counter()
         pieces = self.spec.batch_size // self.micro_batch
-        for _ in range(self.spec.sync_every):
+        for i in range(self.spec.sync_every):
             x, y = self.sampler.next_batch()  # (B, T) each
             for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True):
                 with self._autocast():
@@ -166,13 +181,16 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
             self.inner_opt.step()
             self.inner_opt.zero_grad(set_to_none=True)
+            self.progress(phase="computing", step=i + 1, steps=self.spec.sync_every, loss=total / (i + 1))
         seconds = time.perf_counter() - t0
         tokens = self.spec.sync_every * self.spec.batch_size * self.spec.seq_len
         return total / self.spec.sync_every, tokens / max(seconds, 1e-9)
 
-    def run(self, max_rounds: int) -> dict[str, Any]:
-        """Trains until ``max_rounds`` rounds have passed (0: forever); returns the totals."""
-        self.max_rounds = max_rounds
+    def run(self, max_rounds: int, until_round: int = 0) -> dict[str, Any]:
+        """Trains ``max_rounds`` rounds (0: no limit), counted from the round this process starts
+        training (a joiner's first sync included), and stops at the run's round ``until_round`` (0:
+        no limit), whichever comes first; returns the totals."""
+        self.max_rounds = until_round
         if not self.held:
             self.take_run_state()
         initial = self._eval()
@@ -187,12 +205,19 @@ class Trainer:
         if self.spec.overlap != "none":
             self.run_overlapped(max_rounds)
         else:
-            while max_rounds == 0 or self.outer.round < max_rounds:
-                self.catch_up()
-                if max_rounds and self.outer.round >= max_rounds:
-                    break
+            self.catch_up()
+            self._stop_after(max_rounds)
+            while not (self.max_rounds and self.outer.round >= self.max_rounds):
                 self.run_round()
+                self.catch_up()
         return dict(self.totals, initial_eval_loss=initial)
+
+    def _stop_after(self, rounds: int) -> None:
+        """Where this process starts training is known (after its first fork choice): ``rounds`` from
+        there is the round to stop at (``max_rounds``, the run's round number), if sooner."""
+        if rounds:
+            stop = self.outer.round + rounds
+            self.max_rounds = min(self.max_rounds, stop) if self.max_rounds else stop
 
     def take_run_state(self) -> None:
         """Without the weights of the run's start we hold no state of the run: take one from its
@@ -225,7 +250,9 @@ class Trainer:
             return
         r, peers, until = self._awaiting
         self._awaiting = (-1, (), 0.0)
+        self.progress(phase="checking the run's state", round=self.outer.round)
         if peers and until > time.monotonic():
+            self.progress(phase="waiting for the round's outcome")
             # we voided or went alone while these peers may be completing the round without us: choosing
             # before they publish how it ended, we would train the next round on a lineage they left
             self.log(f"round {r}: waiting up to {until - time.monotonic():.0f} s for {len(peers)} peer(s) of the round "
@@ -241,6 +268,7 @@ class Trainer:
         partners = self._made_with[1] if self._made_with[0] == mine else ()
         found = self.parts.state.catch_up(self.outer.round, mine, announce=self._joined or trusted,
                                           held=self.held, partners=partners)
+        self.progress(peers=self.parts.state.peers_seen())
         if found is None:
             return
         snapshot, info = found
@@ -300,12 +328,13 @@ class Trainer:
         where the next inner steps start is each peer's own business. A void round applies nothing
         (M_r+1 = M_r). A joiner syncs at a boundary and averages its first delta with that base."""
         self.catch_up()
+        self._stop_after(max_rounds)
         pending: tuple[dict[str, Any], Pending] | None = None
         spare = [torch.empty(self.numel, dtype=torch.float32) for _ in range(2)]  # delta in flight / delta being made
         start = self.outer.master.clone()  # where the inner steps being run started
         while True:
             upcoming = self.outer.round + (1 if pending else 0)  # the round the coming inner steps are averaged in
-            computing = not (max_rounds and upcoming >= max_rounds)
+            computing = not (self.max_rounds and upcoming >= self.max_rounds)
             if computing:
                 self._announce(upcoming, None if pending else self.outer.hash())
                 out = spare[upcoming % 2]
@@ -364,6 +393,7 @@ class Trainer:
         """The one place a round ends: waits for its averaging, applies it or voids the round
         (restore, report), then records, evaluates, commits and prints."""
         r = record["round"]
+        self.progress(phase="averaging", round=r)
         try:
             result = pending.result()
         except RoundFailed as e:  # the one place a failed round is handled: void, restore, report
@@ -404,6 +434,7 @@ class Trainer:
         record.update(state_hash=state, eval_loss=eval_loss, eval_s=time.perf_counter() - now)
         self.parts.metrics.write(record)
         self._committed(record["tokens_per_s"], record["train_loss"], eval_loss)
+        self.progress(group=record["group_size"], tokens_per_s=record["tokens_per_s"], loss=record["train_loss"])
         if not record["void"]:
             self._say_round(record)
         self.parts.behaviour.at("after_round", r)

@@ -25,10 +25,10 @@ def _hash_after(peer: Any, round_: int) -> str:
 
 
 def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_path: Path) -> None:
-    owner = swarm("p0", "--new-run", "joins", *FAST, "--max-rounds", "12", "--target-group-size", "4",
+    owner = swarm("p0", "--new-run", "joins", *FAST, "--until-round", "12", "--target-group-size", "4",
                   "--matchmaking-timeout", "6", "--quiet", "--wait-for-peers", "3")
     info = owner.wait_info()
-    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--max-rounds", "12", "--quiet"]
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--until-round", "12", "--quiet"]
     poisoned = swarm("p1", *join, "--wait-for-peers", "3", "--fault", "corrupt@serve_state:0",
                      "--fault-log", str(tmp_path / "fault.log"))
     p2 = swarm("p2", *join, "--wait-for-peers", "3")
@@ -68,7 +68,7 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
 
 @pytest.mark.parametrize("point", ["after_matchmaking", "after_parts", "before_results"])
 def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: str) -> None:
-    common = [*FAST, "--max-rounds", "4", "--quiet", "--wait-for-peers", "4"]
+    common = [*FAST, "--until-round", "4", "--quiet", "--wait-for-peers", "4"]
     owner = swarm("p0", "--new-run", "kills", "--target-group-size", "4", "--matchmaking-timeout", "6", *common)
     info = owner.wait_info()
     join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
@@ -96,7 +96,7 @@ def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: 
 
 
 def test_sigstop_past_deadline_then_resync(swarm, tmp_path: Path) -> None:
-    common = [*FAST, "--max-rounds", "40", "--wait-for-peers", "3"]
+    common = [*FAST, "--until-round", "40", "--wait-for-peers", "3"]
     owner = swarm("p0", "--new-run", "stalls", "--target-group-size", "3", "--matchmaking-timeout", "6", *common)
     info = owner.wait_info()
     join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]
@@ -124,7 +124,7 @@ def test_sigstop_past_deadline_then_resync(swarm, tmp_path: Path) -> None:
 
 
 def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) -> None:
-    common = [*FAST, "--max-rounds", "10", "--quiet", "--wait-for-peers", "3"]
+    common = [*FAST, "--until-round", "10", "--quiet", "--wait-for-peers", "3"]
     owner = swarm("p0", "--new-run", "restarts", "--target-group-size", "3", "--matchmaking-timeout", "6", *common)
     info = owner.wait_info()
     join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *common]

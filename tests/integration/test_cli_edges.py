@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .conftest import run_cli
+from .conftest import run_cli, wait_until
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -41,9 +41,37 @@ def test_an_upper_case_run_key_is_the_same_key(tmp_path: Path) -> None:
     assert "nothing listens at 127.0.0.1 port 9" in line, line
 
 
+def test_a_malformed_address_shows_the_right_form(tmp_path: Path) -> None:
+    for bad in ("garbage", "/ip4/203.0.113.5/tcp/31337"):
+        line = _one_line(run_cli("start", "--run", "demo." + "a" * 32, "--initial-peers", bad,
+                                 "--state-dir", str(tmp_path)))  # a usage error: exit code 2
+        assert repr(bad) in line and "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW" in line, line
+
+
 def test_version_and_exit_codes_are_documented() -> None:
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("peer 0."), version
     helped = run_cli("--help")
     text = " ".join(helped.stdout.split())  # (argparse wraps the epilog)
     assert helped.returncode == 0 and "exit codes: 0 done" in text and "2 a usage" in text and "130 stopped" in text
+
+
+def test_a_joiner_counts_max_rounds_from_where_it_starts_and_may_not_change_the_runs_spec(swarm, tmp_path: Path) -> None:
+    # rounds of a few seconds: a joiner's vote needs the state an attester announced to still be served
+    owner = swarm("p0", "--new-run", "later", "--sync-every", "20", "--until-round", "10", "--quiet",
+                  "--target-group-size", "2", "--matchmaking-timeout", "4")
+    info = owner.wait_info()
+    wait_until(lambda: len(owner.records()) >= 3, [owner], 120, "3 rounds of the owner")
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--dht-timeout", "10"]
+    # run-spec flags: the same value as the run's is fine; another is refused, in one line, before training
+    line = _one_line(run_cli("start", *join, "--sync-every", "8", "--allreduce-timeout", "60", "--state-dir",
+                             str(tmp_path / "a")))
+    assert "--sync-every 8 (the run's: 20)" in line and "allreduce" not in line, line
+    line = _one_line(run_cli("start", *join, "--preset", "small", "--state-dir", str(tmp_path / "b")))
+    assert "--preset small" in line and "owner's choice" in line, line
+    # --max-rounds 1 on a run past round 3: one round of this process, not "round 1 is behind us, done"
+    joiner = swarm("p1", *join, "--sync-every", "20", "--max-rounds", "1", "--quiet")
+    assert joiner.wait(180) == 0, joiner.log.read_text()[-3000:]
+    rounds = joiner.records()
+    assert len(rounds) == 1 and rounds[0]["round"] >= 3, rounds
+    assert joiner.records("sync"), joiner.records("start")  # it took the run's state first

@@ -37,7 +37,7 @@ def test_weightless_joiner_syncs_the_start_and_trains_bit_identical_on_jsonl(swa
     bare = make_tiny_hf(tmp_path / "bare", weights=False)  # config.json and tokenizer only
     assert not list(bare.glob("*.safetensors"))
     data = write_jsonl(tmp_path / "docs.jsonl", _docs())
-    common = ["--data", str(data), "--max-rounds", "4", "--wait-for-peers", "2", "--quiet"]
+    common = ["--data", str(data), "--until-round", "4", "--wait-for-peers", "2", "--quiet"]
     owner = swarm("owner", "--new-run", "hf-jsonl", "--model", str(model), *PACE, *common)
     info = owner.wait_info(120)
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0], "--model", str(bare),
@@ -64,7 +64,7 @@ def test_parquet_glob_run_agrees_every_round_and_exports_to_transformers(swarm, 
     (tmp_path / "pq").mkdir()
     write_parquet(tmp_path / "pq" / "a.parquet", docs[: len(docs) // 2])
     write_parquet(tmp_path / "pq" / "b.parquet", docs[len(docs) // 2 :])
-    common = ["--data", str(tmp_path / "pq" / "*.parquet"), "--model", str(model), "--max-rounds", "3",
+    common = ["--data", str(tmp_path / "pq" / "*.parquet"), "--model", str(model), "--until-round", "3",
               "--wait-for-peers", "2", "--quiet"]
     owner = swarm("owner", "--new-run", "hf-parquet", *PACE, *common)
     info = owner.wait_info(120)
@@ -105,7 +105,7 @@ def test_joining_without_the_models_folder_is_one_clear_line(swarm, tmp_path: Pa
     model = make_tiny_hf(tmp_path / "model")
     data = write_jsonl(tmp_path / "docs.jsonl", _docs())
     owner = swarm("owner", "--new-run", "hf-lonely", "--model", str(model), "--data", str(data), *PACE,
-                  "--max-rounds", "100", "--quiet")
+                  "--until-round", "100", "--quiet")
     info = owner.wait_info(120)
     other = make_tiny_hf(tmp_path / "other", vocab_size=300)  # another tokenizer and vocabulary
     for extra, expected in (([], "pass --model DIR"), (["--model", str(other)], "is not the architecture")):

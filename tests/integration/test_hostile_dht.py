@@ -144,13 +144,13 @@ async def _forge_spec(maddr: str, run_key: str) -> dict[str, object]:
 
 
 def test_forged_run_spec_is_refused_and_joiners_get_the_owners(swarm) -> None:
-    owner = swarm("owner", "--new-run", "forged", "--sync-every", "2", "--max-rounds", "3",
+    owner = swarm("owner", "--new-run", "forged", "--sync-every", "2", "--until-round", "3",
                   "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     results = asyncio.run(_forge_spec(info["maddrs"][0], info["run_key"]))
     assert results == {"as_owner": False, "as_itself": False}, results
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
-                   "--max-rounds", "3", "--wait-for-peers", "2", "--quiet")
+                   "--until-round", "3", "--wait-for-peers", "2", "--quiet")
     assert joiner.wait(240) == 0 and owner.wait(120) == 0, joiner.log.read_text()[-3000:]
     assert joiner.wait_info()["spec_hash"] == info["spec_hash"]
     last = [p.records()[-1] for p in (owner, joiner)]

@@ -36,7 +36,7 @@ def _train(swarm: Any, nat: NatNet, symmetric: list[bool]) -> tuple[Any, list[An
     own_ns = nat.public("owner")
     own_ip = nat.ip_of(own_ns)
     n = 1 + len(symmetric)
-    common = [*FAST, "--max-rounds", str(ROUNDS), "--wait-for-peers", str(n), "--target-group-size", str(n)]
+    common = [*FAST, "--until-round", str(ROUNDS), "--wait-for-peers", str(n), "--target-group-size", str(n)]
     owner = swarm("owner", "--new-run", "nat", "--host-maddrs", f"/ip4/{own_ip}/tcp/0", *common,
                   prefix=nat.exec_prefix(own_ns))
     info = owner.wait_info()

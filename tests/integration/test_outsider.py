@@ -19,7 +19,7 @@ from .conftest import PeerProc, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 ROUNDS = 6
-COMMON = ["--sync-every", "3", "--max-rounds", str(ROUNDS), "--wait-for-peers", "3"]
+COMMON = ["--sync-every", "3", "--until-round", str(ROUNDS), "--wait-for-peers", "3"]
 
 
 def rss_mb(pid: int) -> float:

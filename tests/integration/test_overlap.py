@@ -20,7 +20,7 @@ def _rounds(peer: Any) -> dict[int, dict[str, Any]]:
 
 
 def test_overlapped_peers_stay_bit_identical_through_a_sigkill_mid_overlap(swarm, tmp_path: Path) -> None:
-    common = ["--sync-every", "4", "--max-rounds", str(ROUNDS), "--quiet", "--wait-for-peers", "4",
+    common = ["--sync-every", "4", "--until-round", str(ROUNDS), "--quiet", "--wait-for-peers", "4",
               "--allreduce-timeout", "8"]
     # small pieces: the tiny model's shares are cut into several, so the pipelined all-reduce runs over libp2p;
     # a grace of 8 s: the first inner steps (warm-up, 4 processes on 2 cores) took 9.7 to 15.3 s in one CI run,

@@ -29,7 +29,7 @@ _wait = wait_until
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_partition_then_heal_converges_to_one_state(swarm, net: Net) -> None:
-    common = ["--sync-every", "4", "--allreduce-timeout", "10", "--max-rounds", "60", "--dht-timeout", "8",
+    common = ["--sync-every", "4", "--allreduce-timeout", "10", "--until-round", "60", "--dht-timeout", "8",
               "--wait-for-peers", "4"]
     owner = swarm("p0", "--new-run", "split", "--target-group-size", "4", "--matchmaking-timeout", "8",
                   "--host-maddrs", f"/ip4/{net.addrs[0]}/tcp/0", *common, prefix=net.exec_prefix(0))

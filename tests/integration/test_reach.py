@@ -37,10 +37,10 @@ def test_a_restarted_owner_is_the_same_peer_at_the_same_address_and_rejoins(swar
     """The run owner killed and started again with the same command: same peer id, same address, same
     run key; the join line it printed before still works, and its old partner groups with it again."""
     owner_cmd = ["--new-run", "comeback", "--target-group-size", "3", "--matchmaking-timeout", "4",
-                 "--max-rounds", "400", "--quiet", *FAST]
+                 "--until-round", "400", "--quiet", *FAST]
     owner = swarm("p0", *owner_cmd)
     before = owner.wait_info()
-    join = ["--run", before["run_key"], "--initial-peers", before["maddrs"][0], "--max-rounds", "400", "--quiet", *FAST]
+    join = ["--run", before["run_key"], "--initial-peers", before["maddrs"][0], "--until-round", "400", "--quiet", *FAST]
     p1 = swarm("p1", *join)
     wait_until(lambda: any(r["group_size"] == 2 for r in p1.records()), [owner, p1], 120, "a round of the pair")
     owner.kill()
@@ -59,7 +59,7 @@ def test_a_restarted_owner_is_the_same_peer_at_the_same_address_and_rejoins(swar
 
 def test_a_port_in_use_is_one_clear_line(swarm, tmp_path: Path) -> None:
     port = free_port()
-    owner = swarm("p0", "--new-run", "busy", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--max-rounds", "400",
+    owner = swarm("p0", "--new-run", "busy", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--until-round", "400",
                   "--quiet")
     owner.wait_info()
     line = one_line(run_cli("start", "--new-run", "busy2", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
@@ -68,7 +68,7 @@ def test_a_port_in_use_is_one_clear_line(swarm, tmp_path: Path) -> None:
 
 
 def test_bootstrap_errors_say_what_is_wrong_in_plain_words(swarm, tmp_path: Path) -> None:
-    owner = swarm("p0", "--new-run", "plain", "--max-rounds", "400", "--quiet")
+    owner = swarm("p0", "--new-run", "plain", "--until-round", "400", "--quiet")
     maddr = owner.wait_info()["maddrs"][0]
     wrong_id = maddr.rsplit("/p2p/", 1)[0] + "/p2p/" + OTHER_ID
     line = one_line(run_cli("start", "--run", "plain." + "a" * 32, "--initial-peers", wrong_id, "--dht-timeout", "5",
@@ -95,7 +95,7 @@ def test_a_stock_hivemind_dht_node_works_as_the_initial_peer(swarm, tmp_path: Pa
             assert stock.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
         stock_maddr = found.group(1)
-        rounds = ["--max-rounds", "3", "--wait-for-peers", "2", "--target-group-size", "2", "--quiet", *FAST]
+        rounds = ["--until-round", "3", "--wait-for-peers", "2", "--target-group-size", "2", "--quiet", *FAST]
         owner = swarm("p0", "--new-run", "stock", "--initial-peers", stock_maddr, *rounds)
         run_key = owner.wait_info()["run_key"]
         joiner = swarm("p1", "--run", run_key, "--initial-peers", stock_maddr, *rounds)

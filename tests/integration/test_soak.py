@@ -19,7 +19,7 @@ from .conftest import wait_until
 @pytest.mark.timeout(900)
 def test_churn_soak(swarm) -> None:
     rounds = 12  # of churn; then the run goes on until the survivors share one state
-    common = ["--sync-every", "4", "--allreduce-timeout", "8", "--max-rounds", "60", "--quiet"]
+    common = ["--sync-every", "4", "--allreduce-timeout", "8", "--until-round", "60", "--quiet"]
     owner = swarm("p0", "--new-run", "soak", "--target-group-size", "5", "--matchmaking-timeout", "5", *common,
                   "--wait-for-peers", "5", "--eval-every", "3")
     info = owner.wait_info()

@@ -62,7 +62,7 @@ def test_unreachable_initial_peer_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:
-    owner = swarm("owner", "--new-run", "keyed", "--sync-every", "2", "--max-rounds", "50",
+    owner = swarm("owner", "--new-run", "keyed", "--sync-every", "2", "--until-round", "50",
                   "--matchmaking-timeout", "1", "--quiet")
     maddr = owner.wait_info()["maddrs"][0]
     unknown = run_cli("start", "--run", "keyed." + "b" * 32, "--initial-peers", maddr, "--dht-timeout", "3",
@@ -80,11 +80,11 @@ def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="process groups and p2pd are tested on Linux")
 def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
     # (without --wait-for-peers the owner would not wait: a peer alone trains alone at once)
-    owner = swarm("owner", "--new-run", "pair", "--sync-every", "3", "--max-rounds", "2",
+    owner = swarm("owner", "--new-run", "pair", "--sync-every", "3", "--until-round", "2",
                   "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
-                   "--max-rounds", "2", "--wait-for-peers", "2", "--quiet")
+                   "--until-round", "2", "--wait-for-peers", "2", "--quiet")
     assert owner.wait(120) == 0 and joiner.wait(120) == 0
     a, b = owner.records(), joiner.records()
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
@@ -92,11 +92,11 @@ def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
 
 
 def test_error_feedback_run_stays_bit_identical(swarm) -> None:
-    owner = swarm("owner", "--new-run", "ef", "--sync-every", "3", "--max-rounds", "3", "--error-feedback",
+    owner = swarm("owner", "--new-run", "ef", "--sync-every", "3", "--until-round", "3", "--error-feedback",
                   "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
-                   "--max-rounds", "3", "--wait-for-peers", "2", "--quiet")
+                   "--until-round", "3", "--wait-for-peers", "2", "--quiet")
     assert owner.wait(120) == 0 and joiner.wait(120) == 0
     a, b = owner.records(), joiner.records()
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]

@@ -98,6 +98,9 @@ class Hooks:
     def wait_for_next(self, round_: int, attesters: list[str], timeout: float) -> bool:
         return True
 
+    def peers_seen(self) -> int | None:
+        return None
+
     def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
         self.calls.append(("wait_for_end", (round_, peers)))
         return []

@@ -1,0 +1,216 @@
+"""``peer status``: a read-only look at a run, from the records its peers publish in the DHT.
+
+What it reads, all signed and bound to their signers (dht/records.py): the owner's run spec, every
+peer's heartbeat (round, state hash, tokens/s, losses, reachability) and the ready records of the
+current round (who is forming a group). It publishes nothing: it holds no state, sends no ready
+record and no heartbeat, so no peer can count it as a member, a voter or a candidate.
+
+The run's round is the median of the peers' rounds, and its state the one most of the peers at
+that round hold: a few identities claiming round 10**9 move neither (they show in the table, each
+with its own claim). Peers that hold the same state completed their last round together, or synced
+to it: the state column is the run's groups, as the heartbeats tell them. ``last_seen_s`` is how long
+ago the peer published its latest heartbeat, from the record's expiration (every honest peer uses
+``heartbeat_ttl``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from hivetrain.dht.errors import DHTError, InvalidRecord
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.node import DHT, DHTOptions
+from hivetrain.dht.records import decode_bound, heartbeat_key, ready_key
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
+from hivetrain.peer.errors import ConfigError, PeerError
+from hivetrain.peer.runspec import fetch_spec
+
+TREND = 32  # held-out losses remembered across refreshes (--watch)
+MAX_ROWS = 40  # peers printed in the table (the JSON has them all: a DHT read holds at most 1024)
+CLEAR = "\x1b[H\x1b[J"  # cursor home, clear to the end: --watch refreshes in place on a terminal
+
+
+def heartbeat_ttl(spec: RunSpec) -> float:
+    """Seconds a heartbeat lives in the DHT: two rounds' worth of waiting, plus a minute."""
+    return 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    peer_id: str
+    round: int
+    state_hash: str
+    tokens_per_s: float
+    reachability: str
+    last_seen_s: float
+    train_loss: float | None
+    eval_loss: float | None
+
+
+def read_peers(dht: DHT, run_key: str, spec: RunSpec, now: float | None = None) -> list[PeerRow]:
+    """The run's heartbeats, one row per peer (those that break the schema or speak for another
+    peer are skipped), most advanced first."""
+    now = time.time() if now is None else now
+    ttl = heartbeat_ttl(spec)
+    rows: dict[str, PeerRow] = {}
+    for envelope in dht.get(heartbeat_key(run_key)):
+        try:
+            hb = decode_bound("hb", envelope)
+        except InvalidRecord:
+            continue
+        seen = min(ttl, max(0.0, ttl - (envelope.expiration - now)))
+        row = PeerRow(hb["peer_id"], hb["round"], hb["state_hash"], hb["throughput"], hb.get("reach", "unknown"),
+                      round(seen, 1), hb["train_loss"], hb["eval_loss"])
+        if row.peer_id not in rows or row.round > rows[row.peer_id].round:
+            rows[row.peer_id] = row
+    return sorted(rows.values(), key=lambda r: (-r.round, r.last_seen_s, r.peer_id))
+
+
+def read_matching(dht: DHT, run_key: str, round_: int) -> dict[str, int]:
+    """Who is forming round ``round_``'s groups: ready (done) and announced (still computing)."""
+    counts = {"ready": 0, "announced": 0}
+    for envelope in dht.get(ready_key(run_key, round_)):
+        try:
+            ready = decode_bound("ready", envelope)
+        except InvalidRecord:
+            continue
+        counts["ready" if ready["done"] else "announced"] += 1
+    return counts
+
+
+def summarize(run_key: str, spec: RunSpec, peers: list[PeerRow], matching: dict[str, int] | None = None,
+              observer: str = "") -> dict[str, Any]:
+    """The status object (``--json``): the run, its round and state, the peers, and the sums."""
+    rounds = sorted(p.round for p in peers)
+    round_ = rounds[(len(rounds) - 1) // 2] if rounds else 0  # the lower median: a few liars move it nowhere
+    at_round = Counter(p.state_hash for p in peers if p.round == round_)
+    state = min(at_round, key=lambda h: (-at_round[h], h)) if at_round else None
+    states = Counter((p.round, p.state_hash) for p in peers)
+    evals = [p.eval_loss for p in peers if p.state_hash == state and p.eval_loss is not None]
+    model = f"{spec.model.n_layers} layers x {spec.model.d_model}"
+    if spec.hf_config:
+        model = f"{spec.pretrained or 'Hugging Face model'} ({model})"
+    return {
+        "run": run_key,
+        "observer": observer,
+        "spec": {"name": spec.name, "model": model, "dataset": spec.dataset, "sync_every": spec.sync_every,
+                 "batch_size": spec.batch_size, "seq_len": spec.seq_len, "compression": spec.compression,
+                 "aggregation": spec.aggregation, "overlap": spec.overlap,
+                 "target_group_size": spec.target_group_size,
+                 "tokens_per_round_per_peer": spec.sync_every * spec.batch_size * spec.seq_len},
+        "round": round_,
+        "state_hash": state,
+        "agreement": at_round[state] / len(peers) if state else 0.0,  # peers holding the run's state, of all
+        "states": [{"round": r, "state_hash": h, "peers": n}
+                   for (r, h), n in sorted(states.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1]))],
+        "peers": [vars(p) for p in peers],
+        "tokens_per_s": sum(p.tokens_per_s for p in peers if math.isfinite(p.tokens_per_s)),
+        "eval_loss": sum(evals) / len(evals) if evals else None,
+        "reachability": dict(sorted(Counter(p.reachability for p in peers).items())),
+        "matching": matching or {"ready": 0, "announced": 0},
+    }
+
+
+def render(status: dict[str, Any], trend: list[tuple[int, float]] | None = None) -> str:
+    """The status as text for a terminal."""
+    spec, peers, trend = status["spec"], status["peers"], trend or []
+    lines = [f"run {status['run']}: {spec['model']}, {spec['dataset']}, H={spec['sync_every']}, "
+             f"{spec['compression']}, groups of up to {spec['target_group_size']}"]
+    state = (status["state_hash"] or "-")[:12]
+    lines.append(f"round {status['round']}: {len(peers)} peers, {status['agreement']:.0%} hold state {state}; "
+                 f"{status['tokens_per_s']:,.0f} tokens/s in all; forming round {status['round']}: "
+                 f"{status['matching']['ready']} ready, {status['matching']['announced']} still computing")
+    reach = ", ".join(f"{n} {mode.replace('_', '-')}" for mode, n in status["reachability"].items())
+    loss = "-" if status["eval_loss"] is None else f"{status['eval_loss']:.4f}"
+    lines.append(f"held-out loss {loss}" + (f" (by round: {', '.join(f'{r}: {v:.3f}' for r, v in trend[-8:])})"
+                                             if len(trend) > 1 else "") + (f"; reachability: {reach}" if reach else ""))
+    lines.append("")
+    lines.append(f"{'peer':<16} {'round':>6} {'state':<12} {'tokens/s':>10} {'train':>7} {'held-out':>8} "
+                 f"{'seen':>6}  reach")
+    for p in peers[:MAX_ROWS]:
+        mark = "" if p["state_hash"] == status["state_hash"] else " *"
+        lines.append(f"{p['peer_id'][-16:]:<16} {p['round']:>6} {p['state_hash'][:12]:<12} {p['tokens_per_s']:>10,.0f} "
+                     f"{_num(p['train_loss'], 7)} {_num(p['eval_loss'], 8)} {p['last_seen_s']:>5.0f}s  "
+                     f"{p['reachability'].replace('_', '-')}{mark}")
+    if len(peers) > MAX_ROWS:
+        lines.append(f"... and {len(peers) - MAX_ROWS} more (--json lists them all)")
+    if any(p["state_hash"] != status["state_hash"] for p in peers):
+        lines.append("* another state than the run's: a round behind or ahead, syncing, or on another lineage")
+    return "\n".join(lines)
+
+
+def _num(value: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.4f}"
+
+
+def watch(read: Callable[[], dict[str, Any]], as_json: bool, interval: float, count: int,
+          out: TextIO = sys.stdout, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Prints the status ``count`` times (0: until interrupted), every ``interval`` seconds: in place
+    on a terminal, one block (or one JSON line) after another otherwise. Returns how many it printed."""
+    trend: deque[tuple[int, float]] = deque(maxlen=TREND)
+    tty = out.isatty()
+    done = 0
+    while True:
+        try:
+            status = read()
+        except (DHTError, PeerError) as e:  # a slow DHT read: say so and look again
+            if count == 1:
+                raise
+            status = None
+            print(f"could not read the run's records ({e}); trying again", file=out, flush=True)
+        if status is not None:
+            if status["eval_loss"] is not None and (not trend or trend[-1][0] != status["round"]):
+                trend.append((status["round"], status["eval_loss"]))
+            if as_json:
+                print(json.dumps({**status, "trend": list(trend)}), file=out, flush=True)
+            else:
+                print((CLEAR if tty and count != 1 else "") + render(status, list(trend)), file=out, flush=True)
+                if not tty and count != 1:
+                    print("", file=out, flush=True)
+            done += 1
+        if count and done >= count:
+            return done
+        sleep(interval)
+
+
+def run_status(run_key: str, initial_peers: tuple[str, ...], as_json: bool, interval: float, count: int,
+               dht_timeout: float, dashboard: tuple[str, int] | None = None, public: bool = False) -> int:
+    """``peer status``: joins the DHT with a fresh identity (it is nobody), reads, prints; with
+    ``dashboard`` (host, port), also serves the dashboard (peer/dashboard.py) while it runs."""
+    if not initial_peers:
+        raise ConfigError("peer status needs --initial-peers MADDR: the address of any peer of the run, "
+                          "e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
+    if not interval > 0:
+        raise ConfigError(f"--interval must be a positive number of seconds, got {interval}")
+    dht = DHT(DHTOptions(initial_peers=initial_peers, identity=Identity.generate(), timeout=dht_timeout)).start()
+    try:
+        spec, _ = fetch_spec(dht, run_key, dht_timeout)
+
+        board = None
+        if dashboard is not None:
+            watcher = RunWatcher(lambda: read_status(dht, run_key, spec), interval=min(interval, REFRESH))
+            board = Dashboard(dashboard, watcher, public=public).start()
+            print(f"dashboard at {board.url} (Ctrl+C stops)", flush=True)
+        try:
+            watch(lambda: read_status(dht, run_key, spec), as_json, interval, count)
+        finally:
+            if board is not None:
+                board.stop()
+        return 0
+    finally:
+        dht.shutdown()
+
+
+def read_status(dht: DHT, run_key: str, spec: RunSpec) -> dict[str, Any]:
+    """The run's status from its records in the DHT, as ``summarize`` makes it."""
+    status = summarize(run_key, spec, read_peers(dht, run_key, spec), observer=dht.peer_id)
+    status["matching"] = read_matching(dht, run_key, status["round"])
+    return status

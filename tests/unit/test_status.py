@@ -1,0 +1,90 @@
+"""peer status (peer/status.py): what it makes of the run's records, without a network."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+import pytest
+
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key, ready_key
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.state.heartbeats import heartbeat_envelope
+from hivetrain.peer.status import heartbeat_ttl, read_matching, read_peers, render, summarize, watch
+
+RUN = "demo.aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+SPEC = RunSpec.from_preset("demo", "tiny")
+A, B, C = "aa" * 32, "bb" * 32, "cc" * 32
+
+
+class FakeDHT:
+    def __init__(self, records: dict[str, list[Envelope]]):
+        self.records = records
+
+    def get(self, key: str, latest: bool = True, timeout: float | None = None) -> list[Envelope]:
+        return self.records.get(key, [])
+
+
+def beat(identity: Identity, round_: int, state: str, age: float = 0.0, **fields: Any) -> Envelope:
+    values: dict[str, Any] = dict(round=round_, state_hash=state, parent="0" * 64, throughput=1000.0,
+                                  train_loss=4.0, eval_loss=None)
+    values.update(fields)
+    return heartbeat_envelope(identity, RUN, heartbeat_ttl(SPEC) - age, **values)
+
+
+def test_peers_rounds_ages_and_a_heartbeat_in_another_name_skipped() -> None:
+    ids = [Identity.generate() for _ in range(4)]
+    liar = Identity.generate()
+    forged = Envelope.sign(liar, "hb", heartbeat_key(RUN), encode_payload("hb", dict(
+        peer_id=ids[0].peer_id, round=99, state_hash=C, parent="0" * 64, throughput=1e9, train_loss=None,
+        eval_loss=None)), time.time() + 100)
+    dht = FakeDHT({heartbeat_key(RUN): [beat(ids[0], 5, A, age=30, eval_loss=3.5, reach="direct"),
+                                        beat(ids[1], 5, A, eval_loss=3.25), beat(ids[2], 4, B, age=10),
+                                        beat(ids[3], 10**6, C), forged]})
+    peers = read_peers(dht, RUN, SPEC)  # type: ignore[arg-type]
+    assert [p.peer_id for p in peers] == [ids[3].peer_id, ids[1].peer_id, ids[0].peer_id, ids[2].peer_id]
+    by_id = {p.peer_id: p for p in peers}
+    assert by_id[ids[0].peer_id].last_seen_s == pytest.approx(30, abs=2) and by_id[ids[0].peer_id].reachability == "direct"
+    assert by_id[ids[2].peer_id].reachability == "unknown" and by_id[ids[0].peer_id].round == 5  # not the forged 99
+    status = summarize(RUN, SPEC, peers, {"ready": 1, "announced": 2}, observer="me")
+    # the median round and the state most peers hold there: the liar at round 10**6 moves neither
+    assert status["round"] == 5 and status["state_hash"] == A and status["agreement"] == 0.5
+    assert status["eval_loss"] == pytest.approx(3.375) and status["tokens_per_s"] == 4000.0
+    assert status["states"][0] == {"round": 10**6, "state_hash": C, "peers": 1}
+    assert {"round": 5, "state_hash": A, "peers": 2} in status["states"]
+    assert status["reachability"] == {"direct": 1, "unknown": 3}
+    assert status["spec"]["tokens_per_round_per_peer"] == SPEC.sync_every * SPEC.batch_size * SPEC.seq_len
+    json.dumps(status)  # --json prints it as is
+    text = render(status, [(3, 3.9), (5, 3.375)])
+    assert "round 5: 4 peers, 50% hold state aaaaaaaaaaaa" in text and "1 ready, 2 still computing" in text
+    assert "by round: 3: 3.900, 5: 3.375" in text and "* another state" in text
+
+
+def test_an_empty_run_and_the_ready_counts() -> None:
+    status = summarize(RUN, SPEC, [])
+    assert status["round"] == 0 and status["state_hash"] is None and status["peers"] == [] and status["agreement"] == 0
+    assert "0 peers" in render(status)
+    ident = Identity.generate()
+    ready = [Envelope.sign(ident, "ready", ready_key(RUN, 3), encode_payload("ready", dict(
+        peer_id=ident.peer_id, round=3, base_hash=A, spec_hash=B, done=done, eta=0.0)), time.time() + 60)
+        for done in (True, False)]
+    assert read_matching(FakeDHT({ready_key(RUN, 3): ready}), RUN, 3) == {"ready": 1, "announced": 1}  # type: ignore[arg-type]
+
+
+def test_watch_prints_json_lines_and_keeps_a_loss_trend() -> None:
+    rounds = iter([(1, 4.0), (1, 4.0), (2, 3.5)])
+
+    def read() -> dict[str, Any]:
+        r, loss = next(rounds)
+        return {**summarize(RUN, SPEC, []), "round": r, "eval_loss": loss}
+
+    out = io.StringIO()
+    assert watch(read, True, 0.01, 3, out, sleep=lambda s: None) == 3
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [x["round"] for x in lines] == [1, 1, 2] and lines[-1]["trend"] == [[1, 4.0], [2, 3.5]]
+    text = io.StringIO()
+    watch(lambda: summarize(RUN, SPEC, []), False, 0.01, 2, text, sleep=lambda s: None)
+    assert text.getvalue().count("run demo.") == 2 and "\x1b[" not in text.getvalue()  # not a terminal: no escapes
