@@ -53,14 +53,15 @@ def parse_bind(value: str, public: bool) -> tuple[str, int]:
 
 
 class RunWatcher:
-    """Reads the run's status (``read``: peer/status.py) every ``interval`` seconds on a daemon
-    thread and keeps a bounded history of it for the charts."""
+    """Reads the run's status (``source``: peer/status.py's ``read_status``) every ``interval``
+    seconds on a daemon thread and keeps a bounded history of it for the charts (``view``)."""
 
-    def __init__(self, read: Callable[[], dict[str, Any]], interval: float = REFRESH,
+    def __init__(self, source: Callable[[], dict[str, Any]], interval: float = REFRESH,
                  warn: Callable[[str], None] = lambda msg: None):
-        self.read, self.interval, self.warn = read, interval, warn
-        self.latest: dict[str, Any] | None = None
-        self.samples: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # {t, round, peers, tokens_per_s, eval_loss}
+        self.source, self.interval, self.warn = source, interval, warn
+        self._latest: dict[str, Any] | None = None
+        self._samples: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # {t, round, peers, tokens_per_s, eval_loss}
+        self._lock = threading.Lock()  # the server's threads read what this one writes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hivetrain-dashboard-watch", daemon=True)
         self._failing = False
@@ -74,16 +75,22 @@ class RunWatcher:
 
     def poll(self) -> None:
         try:
-            status = self.read()
+            status = self.source()
         except (DHTError, PeerError, TimeoutError, OSError) as e:  # a slow DHT read: the charts keep what they have
             if not self._failing:
                 self.warn(f"dashboard: could not read the run's records ({e}); trying again")
             self._failing = True
             return
         self._failing = False
-        self.latest = status
-        self.samples.append({"t": time.time(), "round": status["round"], "peers": len(status["peers"]),
-                             "tokens_per_s": status["tokens_per_s"], "eval_loss": status["eval_loss"]})
+        with self._lock:
+            self._latest = status
+            self._samples.append({"t": time.time(), "round": status["round"], "peers": len(status["peers"]),
+                                  "tokens_per_s": status["tokens_per_s"], "eval_loss": status["eval_loss"]})
+
+    def view(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The latest status and the samples so far (copies: safe from any thread)."""
+        with self._lock:
+            return (dict(self._latest) if self._latest is not None else None), list(self._samples)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -93,10 +100,10 @@ class RunWatcher:
 
 def snapshot(watcher: RunWatcher | None, rounds: Iterable[dict[str, Any]], public: bool) -> dict[str, Any]:
     """What /api/status serves: the run (peers' public records) and, locally, this peer's rounds."""
-    run = dict(watcher.latest) if watcher is not None and watcher.latest is not None else None
+    run, samples = watcher.view() if watcher is not None else (None, [])
     if run is not None and public:
         run.pop("observer", None)
-    out: dict[str, Any] = {"time": time.time(), "run": run, "samples": list(watcher.samples) if watcher else []}
+    out: dict[str, Any] = {"time": time.time(), "run": run, "samples": samples}
     if not public:
         keep = ("round", "void", "group_size", "train_loss", "eval_loss", "bytes_sent", "bytes_received",
                 "utilization", "tokens_per_s", "compute_s", "round_s", "state_hash")

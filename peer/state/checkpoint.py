@@ -17,7 +17,7 @@ from typing import IO
 
 import msgpack
 
-from hivetrain.peer.errors import StateMismatch
+from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.state.snapshot import Snapshot, is_hex64, state_nbytes
 
 MAGIC = b"HTCK2\n"
@@ -89,5 +89,6 @@ def lock_dir(path: str) -> IO[bytes]:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise StateMismatch(f"another peer is using the state folder {path}; give this one its own --state-dir") from None
+        raise ConfigError(f"another peer is using the state folder {path} (it holds that peer's identity and port); "
+                          f"give this one its own, e.g. --state-dir {path.rstrip('/')}-2") from None
     return handle

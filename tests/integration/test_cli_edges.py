@@ -75,3 +75,13 @@ def test_a_joiner_counts_max_rounds_from_where_it_starts_and_may_not_change_the_
     rounds = joiner.records()
     assert len(rounds) == 1 and rounds[0]["round"] >= 3, rounds
     assert joiner.records("sync"), joiner.records("start")  # it took the run's state first
+
+
+def test_a_second_peer_on_a_state_folder_in_use_is_told_to_take_its_own(swarm, tmp_path: Path) -> None:
+    owner = swarm("p0", "--new-run", "twice", "--quiet", "--until-round", "1000")
+    info = owner.wait_info()
+    state = str(tmp_path / "p0-state")  # the owner's (conftest's naming)
+    line = _one_line(run_cli("start", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
+                             "--state-dir", state))
+    assert "another peer is using the state folder" in line and f"--state-dir {state}-2" in line, line
+    assert owner.proc.poll() is None  # and the first peer trains on
