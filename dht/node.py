@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
@@ -121,12 +122,13 @@ class DHT:
         remove_stale_sockets()
         # p2pd reads its key from a file: a private one (0600) that lives only while the daemon starts
         key_dir = tempfile.mkdtemp(prefix="hivetrain-key-")
+        started: list[Any] = []  # the p2pd process, once spawned
         key_path = os.path.join(key_dir, "p2p.key")
         try:
             fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(self.identity.p2p_private_key())
-            with children_die_with_us():
+            with children_die_with_us(started):
                 self.p2p = await P2P.create(
                     initial_peers=self._initial or None,
                     host_maddrs=self._host,
@@ -137,6 +139,7 @@ class DHT:
                     startup_timeout=self.options.timeout,
                 )
         except P2PDaemonError as e:
+            await _reap(started)
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if self._initial and "bootstrap" in msg:
                 why = await asyncio.to_thread(diagnose, self._initial)
@@ -285,6 +288,18 @@ class DHT:
 
     def get(self, key: str, latest: bool = True, timeout: float | None = None) -> list[Envelope]:
         return self.run(self.aget(key, latest), timeout or self.options.timeout)
+
+
+async def _reap(processes: list[Any]) -> None:
+    """Waits (at most 5 s) for daemons whose start failed, on the loop that spawned them: hivemind
+    leaves a daemon that exited on a bootstrap failure unawaited, and once the loop is closed
+    asyncio's child watcher prints "Loop ... that handles pid ... is closed" into the user's output."""
+    for process in processes:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        with contextlib.suppress(TimeoutError, ProcessLookupError):
+            await asyncio.wait_for(process.wait(), 5)
 
 
 def _quiet_dropped_streams(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

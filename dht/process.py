@@ -28,7 +28,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 @contextlib.contextmanager
-def children_die_with_us() -> Iterator[None]:
+def children_die_with_us(started: list[Any] | None = None) -> Iterator[None]:
     """While active, subprocesses started through asyncio get SIGKILL when their parent thread exits.
 
     hivemind spawns p2pd with ``asyncio.subprocess.create_subprocess_exec`` and offers no hook, so
@@ -41,7 +41,10 @@ def children_die_with_us() -> Iterator[None]:
 
     async def create(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("preexec_fn", _die_with_parent)
-        return await original(*args, **kwargs)
+        process = await original(*args, **kwargs)
+        if started is not None:  # the caller's handle on them (e.g. to reap one whose start failed)
+            started.append(process)
+        return process
 
     asyncio.subprocess.create_subprocess_exec = create  # type: ignore[assignment]
     try:

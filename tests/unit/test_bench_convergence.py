@@ -201,3 +201,16 @@ def test_config_defaults_and_validation() -> None:
         build_config(_args(H=(10, 25), steps=60))  # not a multiple of 25
     with pytest.raises(SystemExit):
         build_config(_args(workers=1))
+
+
+def test_the_real_runs_verdict_compares_the_simulated_mean_with_their_spread() -> None:
+    from bench.convergence_real import compare
+
+    sim = {"final_eval_loss_mean": 1.90, "final_eval_loss_std": 0.01}
+    inside = compare(sim, [1.88, 1.91, 1.93])
+    assert inside["simulation_within_real_spread"] and inside["simulation_within_real_range"]
+    assert abs(inside["gap"] - (1.906666 - 1.90)) < 1e-4 and inside["real_min"] == 1.88
+    outside = compare(sim, [1.95, 1.96, 1.97])
+    assert not outside["simulation_within_real_spread"] and not outside["simulation_within_real_range"]
+    assert outside["gap_pct"] > 0
+    assert compare(sim, [1.90])["real_std"] == 0.0  # one run: no spread to be inside of, unless exactly equal
