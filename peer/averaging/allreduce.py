@@ -23,6 +23,7 @@ A member that fails anywhere raises RoundFailed at the deadline at the latest, l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -61,6 +62,7 @@ from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.wire import reason
 
 logger = logging.getLogger(__name__)
+LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
 FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
 
@@ -91,8 +93,12 @@ class AllReduceRunner:
                 ctx.ef.discard()
             self._punish()
             # The others of the group void this round at the deadline at the latest; leaving earlier
-            # would put us alone into the next round's matchmaking. Void together, start together.
-            await asyncio.sleep(max(0.0, s.deadline - time.monotonic()))
+            # would put us alone into the next round's matchmaking. Void together, start together;
+            # unless no other member is with us: each refused our parts (it decided another group) or
+            # could not be reached. Then they are on their way already, and we follow at once.
+            others = set(s.order) - {ctx.me}
+            if not others or not others <= set(self.outbox.lost):
+                await asyncio.sleep(max(0.0, s.deadline - time.monotonic()))
             raise RoundFailed(str(e), {**self.excluded, **e.excluded}) from None
         if ctx.ef is not None:
             ctx.ef.commit()
@@ -127,6 +133,13 @@ class AllReduceRunner:
                     self.outbox.put(peer, header, parts[k], strict=True)
         try:
             await self._pipeline()
+        except RoundFailed:
+            # a moment for our other deliveries to end too, so that ``run`` knows who is still with us
+            # (a member lost once is not sent more: this is bounded by one answer or dial per member)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.outbox.flush(), max(0.0, min(LOST_SETTLE, s.deadline - time.monotonic())))
+            self.outbox.stop()
+            raise
         except BaseException:
             self.outbox.stop()
             raise

@@ -30,6 +30,15 @@ async def send_all(ctx: PeerContext, round_: int, deadline: float, sends: list[t
         logger.info("round %d: delivery failed: %r", round_, err)
 
 
+class Lost(RoundFailed):
+    """A member that will not complete this round with us: it refused our message (it decided
+    another group, or has no session for it), or could not be reached at all."""
+
+    def __init__(self, message: str, peer: str):
+        super().__init__(message)
+        self.peer = peer
+
+
 async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str, Any], body: bytes) -> None:
     """Delivers one message; waits (briefly, repeatedly) for a member that has not decided its group
     yet (NOT_READY) or is busy. Raises RoundFailed if it is refused or the deadline passes."""
@@ -43,7 +52,9 @@ async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str
             reply, _ = await request(ctx.link, peer, ctx.protocol, header, body, remaining, traffic=ctx.traffic)
         except Exception as e:  # a lost stream or a dial error: try again while the deadline allows
             failures += 1
-            if failures >= SEND_ATTEMPTS or time.monotonic() + 0.5 >= deadline:
+            if failures >= SEND_ATTEMPTS:
+                raise Lost(reason(f"could not deliver our {kind} to {peer}: {e!r}"), peer) from None
+            if time.monotonic() + 0.5 >= deadline:
                 raise RoundFailed(reason(f"could not deliver our {kind} to {peer}: {e!r}")) from None
             await asyncio.sleep(0.2 * failures)
             continue
@@ -55,7 +66,10 @@ async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str
             pause = min(RETRY_PAUSE[1], 2 * pause)
             continue
         name = Code(code).name if code in Code._value2member_map_ else str(code)
-        raise RoundFailed(reason(f"{peer} refused our {kind}: {name} {reply.get('reason', '')}"))
+        why = reason(f"{peer} refused our {kind}: {name} {reply.get('reason', '')}")
+        if code in (Code.NOT_READY, Code.BUSY):  # it may still be with us: the deadline ran out meanwhile
+            raise RoundFailed(why)
+        raise Lost(why, peer)
 
 
 class Outbox:
@@ -73,6 +87,7 @@ class Outbox:
         self.queues: dict[str, asyncio.Queue[tuple[dict[str, Any], bytes, bool] | None]] = {}
         self.workers: list[asyncio.Task[None]] = []
         self.error: RoundFailed | None = None
+        self.lost: dict[str, str] = {}  # members that refused a message or could not be reached: why
         self.strict_left = 0  # strict messages not delivered yet
         self.strict_done = asyncio.Event()
         self.strict_done.set()
@@ -91,8 +106,12 @@ class Outbox:
         while (item := await queue.get()) is not None:
             header, body, strict = item
             try:
+                if peer in self.lost:  # it refused us or cannot be reached: the rest cannot change that
+                    raise RoundFailed(self.lost[peer])
                 await deliver(self.ctx, self.deadline, peer, header, body)
             except RoundFailed as e:
+                if isinstance(e, Lost):
+                    self.lost.setdefault(e.peer, str(e))
                 if not strict:
                     logger.info("round %d: delivery failed: %r", self.round, e)
                 elif self.error is None:

@@ -3,6 +3,8 @@ agreement after the round) over in-process links. Honest peers and crash faults.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,12 +90,26 @@ def test_a_member_cut_off_after_matchmaking_voids_the_round_for_all_at_the_deadl
                 self.fired = True
                 swarm.net.cut.add(swarm.ids()[2])
 
+    ended: dict[int, float] = {}
+    for i, peer in enumerate(swarm.peers):  # when each one's round ended (void), on the loop's clock
+        def timed(real, i=i):  # type: ignore[no-untyped-def]
+            async def run(round_: int, base: str, delta: torch.Tensor) -> AverageResult:
+                try:
+                    return await real(round_, base, delta)  # type: ignore[no-any-return]
+                finally:
+                    ended[i] = time.monotonic()
+            return run
+        peer.average_async = timed(peer.average_async)  # type: ignore[method-assign]
     try:
         fault = CutAfterMatchmaking()
         swarm.peers[2].ctx.behaviour = type("B", (type(swarm.peers[2].ctx.behaviour),), {"at": lambda self, p, r: fault.at(p, r)})()
+        t0 = time.monotonic()
         results = swarm.all_reduce(0, BASE, deltas(n))
         assert fault.fired
         assert all(isinstance(r, RoundFailed) for r in results), story(results)
+        # the two that still reach each other void together at the deadline; the one that reaches
+        # nobody (every other member lost) has nobody to void with and leaves at once
+        assert ended[2] - t0 < 1.5 <= min(ended[0], ended[1]) - t0, (ended, t0)
         swarm.net.cut.clear()
         assert_identical(swarm.all_reduce(1, BASE, deltas(n, seed=1)), members=n)  # the next round works again
     finally:
