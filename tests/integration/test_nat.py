@@ -56,8 +56,11 @@ def _train(swarm: Any, nat: NatNet, symmetric: list[bool]) -> tuple[Any, list[An
                     if local.startswith(f"{own_ip}:")}
         assert time.monotonic() < deadline, "peers still running after 240 s:\n" + "\n".join(
             p.log.read_text()[-1500:] for p in peers)
+        running = next((p for p in peers if p.proc.poll() is None), None)
+        if running is None:  # the last one exited since the loop's check
+            break
         try:
-            next(p for p in peers if p.proc.poll() is None).proc.wait(0.2)
+            running.proc.wait(0.2)
         except subprocess.TimeoutExpired:
             pass
     for p in peers:
