@@ -253,6 +253,11 @@ class Trainer:
         self.progress(phase="checking the run's state", round=self.outer.round)
         if peers and until > time.monotonic():
             self.progress(phase="waiting for the round's outcome")
+            # tell them we are coming to the next round (base not known yet): their matchmaking waits for
+            # us a while, else in short rounds they decide it before our wait ends; our announcement with
+            # the base we choose, below, replaces this one (it expires later)
+            if self.spec.overlap == "none" and not (self.max_rounds and self.outer.round >= self.max_rounds):
+                self._announce(self.outer.round, None)
             # we voided or went alone while these peers may be completing the round without us: choosing
             # before they publish how it ended, we would train the next round on a lineage they left
             self.log(f"round {r}: waiting up to {until - time.monotonic():.0f} s for {len(peers)} peer(s) of the round "
