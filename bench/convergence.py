@@ -56,6 +56,7 @@ from hivetrain.peer.config import PRESETS, RunSpec
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
+from hivetrain.peer.train.schedule import inner_lr_at
 
 Batch = tuple[Tensor, Tensor]
 Log = Callable[[str], None]
@@ -142,8 +143,13 @@ class DdpSim:
         self.spec, self.model, self.optimizer = spec, trainer.model, trainer.inner_opt
         self.numel = trainer.numel
         self.samplers = make_samplers(spec, corpus, workers, seed)
+        self.steps = 0
 
     def step(self) -> float:
+        """One step at the run spec's learning rate for it (the peers' schedule, peer/train/schedule.py)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = inner_lr_at(self.spec, self.steps)
+        self.steps += 1
         return ddp_step(self.model, self.optimizer, [s.next_batch() for s in self.samplers], self.spec.grad_clip)
 
 
@@ -229,19 +235,40 @@ class DilocoSim:
 # ---- bytes on the wire --------------------------------------------------------------------------------
 
 
-def diloco_round_bytes(numel: int, workers: int, codec: Codec) -> float:
+def diloco_round_bytes(numel: int, workers: int, codec: Codec, audit: bool = False) -> float:
     """Mean bytes one worker sends per round in a reduce-scatter + all-gather of the encoded shards.
 
     Worker k sends its encoding of every other shard (reduce-scatter) and its re-encoded shard k to the N-1
     others (all-gather); averaged over workers that is ``2 (N-1)/N * sum_k encoded_nbytes(shard k)``.
+    ``audit`` (the run spec's default): every part also goes to its shard's auditor (the reducer's own
+    part included), which doubles the reduce-scatter: ``3 (N-1)/N * sum_k encoded_nbytes(shard k)``.
     """
     if workers <= 1:
         return 0.0
     encoded = sum(codec.encoded_nbytes(end - start) for start, end in shard_bounds(numel, workers))
-    return 2 * (workers - 1) * encoded / workers
+    return (3 if audit and workers > 1 else 2) * (workers - 1) * encoded / workers
 
 
 # ---- one benchmark run ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: ddp (``h`` None) or DiLoCo with H = ``h``; None settings are the run spec's."""
+
+    name: str
+    h: int | None
+    codec: str | None
+    overlap: str = "none"
+    inner_lr: float | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    shipped: bool = False  # the run spec's defaults throughout: no bench schedule either
+
+
+def _tag(prefix: str, values: Sequence[float], value: float | None) -> str:
+    """A name suffix for a swept setting; none when it is not swept."""
+    return f"_{prefix}{value:g}" if len(values) > 1 and value is not None else ""
 
 
 @dataclass(frozen=True)
@@ -259,25 +286,50 @@ class BenchConfig:
     aggregation: str = "robust"  # the run spec's default; "mean" is exact DiLoCo
     overlap: bool = False  # also run int8 with the overlapped rounds (spec.overlap "delayed" and "eager")
     only: tuple[str, ...] = ()  # run just these variants; empty: all
+    inner_lrs: tuple[float, ...] = ()  # swept for ddp and every DiLoCo variant (empty: the preset's)
+    outer_lrs: tuple[float, ...] = ()  # swept for DiLoCo (empty: the run spec's)
+    outer_momenta: tuple[float, ...] = ()
+    warmup: int = 0  # inner steps of linear warmup, ddp and DiLoCo alike (the run spec's inner_warmup)
+    schedule: str = "constant"  # or "cosine" to a tenth at the last step, ddp and DiLoCo alike
+    default: bool = True  # add the variant ``default``: the run spec's defaults and the preset's H, int8
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens all workers together consume in one inner step (= one ddp step)."""
         return self.workers * self.batch_size * self.seq_len
 
-    def variants(self) -> list[tuple[str, int | None, str | None]]:
-        """(name, H, codec) in table order; a name ending in ``_delayed`` or ``_eager`` runs overlapped rounds."""
-        out: list[tuple[str, int | None, str | None]] = [("ddp", None, None)]
-        for h in self.hs:
-            out += [(f"diloco_{c}_H{h}", h, c) for c in CODECS]
-            if self.overlap:
-                out += [(f"diloco_int8_H{h}_{mode}", h, "int8") for mode in ("delayed", "eager")]
-        return [v for v in out if not self.only or v[0] in self.only]
+    @property
+    def default_h(self) -> int:
+        return PRESETS[self.preset].sync_every
 
-    def spec(self, seed: int, h: int | None, overlap: str = "none") -> RunSpec:
-        return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=h or 1,
-                                   batch_size=self.batch_size, seq_len=self.seq_len, aggregation=self.aggregation,
-                                   overlap=overlap)
+    def variants(self) -> list[Variant]:
+        """Table order: ddp (one per inner lr), then per H and codec every setting swept; ``default``;
+        a name ending in ``_delayed`` or ``_eager`` runs overlapped rounds."""
+        ilrs: Sequence[float | None] = self.inner_lrs or (None,)
+        olrs: Sequence[float | None] = self.outer_lrs or (None,)
+        moms: Sequence[float | None] = self.outer_momenta or (None,)
+        out = [Variant("ddp" + _tag("lr", self.inner_lrs, lr), None, None, inner_lr=lr) for lr in ilrs]
+        for h in self.hs:
+            for c in CODECS:
+                for lr in ilrs:
+                    for olr in olrs:
+                        for mom in moms:
+                            tag = _tag("lr", self.inner_lrs, lr) + _tag("olr", self.outer_lrs, olr) + \
+                                _tag("om", self.outer_momenta, mom)
+                            out.append(Variant(f"diloco_{c}_H{h}{tag}", h, c, "none", lr, olr, mom))
+            if self.overlap:
+                out += [Variant(f"diloco_int8_H{h}_{mode}", h, "int8", mode) for mode in ("delayed", "eager")]
+        if self.default:
+            out.append(Variant("default", self.default_h, RunSpec("defaults").compression, shipped=True))
+        return [v for v in out if not self.only or v.name in self.only]
+
+    def spec(self, seed: int, v: Variant) -> RunSpec:
+        knobs: dict[str, Any] = {} if v.shipped else dict(
+            aggregation=self.aggregation, overlap=v.overlap, inner_lr=v.inner_lr, outer_lr=v.outer_lr,
+            outer_momentum=v.outer_momentum, inner_warmup=self.warmup, inner_schedule=self.schedule,
+            inner_total_steps=self.steps if self.schedule == "cosine" else 0)
+        return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=v.h or 1,
+                                   batch_size=self.batch_size, seq_len=self.seq_len, **knobs)
 
 
 @dataclass
@@ -288,9 +340,10 @@ class SeedRun:
     numel: int
 
 
-def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, log: Log) -> SeedRun:
-    sim = DdpSim(cfg.spec(seed, None), corpus, cfg.workers, seed)
-    points = sorted({0} | {k * h for h in cfg.hs for k in range(1, cfg.steps // h + 1)})
+def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, v: Variant, log: Log) -> SeedRun:
+    sim = DdpSim(cfg.spec(seed, v), corpus, cfg.workers, seed)
+    hs = {*cfg.hs, cfg.default_h} if cfg.default else set(cfg.hs)
+    points = sorted({0} | {k * h for h in hs for k in range(1, cfg.steps // h + 1)})
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
     train = float("nan")
@@ -298,18 +351,18 @@ def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: i
         train = sim.step()
         if step in points:
             losses.append(evaluate(sim.model, eval_set, "cpu"))
-            log(f"[ddp seed {seed}] step {step}/{cfg.steps} tokens {step * cfg.tokens_per_step:,} "
+            log(f"[{v.name} seed {seed}] step {step}/{cfg.steps} tokens {step * cfg.tokens_per_step:,} "
                 f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
     return SeedRun(points, losses, time.perf_counter() - t0, sim.numel)
 
 
-def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, h: int, codec: str,
-               log: Log, overlap: str = "none") -> SeedRun:
+def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, v: Variant, log: Log) -> SeedRun:
     """Delayed (``overlap``): the held-out loss after round r has r - 1 averages applied; the last
     one is applied (drained) before the final evaluation, so every variant ends with all its tokens."""
-    sim = DilocoSim(cfg.spec(seed, h, overlap), corpus, cfg.workers, seed, get_codec(codec))
-    rounds = cfg.steps // h
-    name = f"diloco_{codec}_H{h}" + (f"_{overlap}" if overlap != "none" else "")
+    assert v.h is not None and v.codec is not None
+    spec = cfg.spec(seed, v)
+    sim = DilocoSim(spec, corpus, cfg.workers, seed, get_codec(v.codec))
+    rounds = cfg.steps // v.h
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
     try:
@@ -318,19 +371,20 @@ def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed
             if r == rounds:
                 sim.drain()
             losses.append(evaluate(sim.model, eval_set, "cpu"))
-            log(f"[{name} seed {seed}] round {r}/{rounds} tokens {r * h * cfg.tokens_per_step:,} "
+            log(f"[{v.name} seed {seed}] round {r}/{rounds} tokens {r * v.h * cfg.tokens_per_step:,} "
                 f"train {train:.3f} held-out {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
     finally:
         sim.close()
-    return SeedRun([r * h for r in range(rounds + 1)], losses, time.perf_counter() - t0, sim.numel)
+    return SeedRun([r * v.h for r in range(rounds + 1)], losses, time.perf_counter() - t0, sim.numel)
 
 
 def _std(values: Sequence[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(cfg: BenchConfig, name: str, h: int | None, codec: str | None, runs: Sequence[SeedRun]) -> dict[str, Any]:
-    numel = runs[0].numel
+def summarize(cfg: BenchConfig, v: Variant, runs: Sequence[SeedRun]) -> dict[str, Any]:
+    numel, h, codec = runs[0].numel, v.h, v.codec
+    spec = cfg.spec(0, v)
     finals = [r.losses[-1] for r in runs]
     curve = [[step * cfg.tokens_per_step, statistics.fmean(vals), _std(vals)]
              for step, vals in zip(runs[0].checkpoints, zip(*(r.losses for r in runs), strict=True), strict=True)]
@@ -338,11 +392,15 @@ def summarize(cfg: BenchConfig, name: str, h: int | None, codec: str | None, run
         bytes_per_worker = float(cfg.steps * ring_allreduce_bytes(numel, cfg.workers))
     else:
         assert h is not None
-        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, get_codec(codec))
+        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, get_codec(codec), spec.audit)
     return {
-        "variant": name, "H": h, "codec": codec, "workers": cfg.workers, "steps": cfg.steps,
+        "variant": v.name, "H": h, "codec": codec, "workers": cfg.workers, "steps": cfg.steps,
         "rounds": None if h is None else cfg.steps // h, "tokens": cfg.steps * cfg.tokens_per_step,
         "parameters": numel, "seeds": list(cfg.seeds),
+        "inner_lr": spec.inner_lr, "inner_warmup": spec.inner_warmup, "inner_schedule": spec.inner_schedule,
+        "outer_lr": None if h is None else spec.outer_lr, "outer_momentum": None if h is None else spec.outer_momentum,
+        "aggregation": None if h is None else spec.aggregation, "audit": None if h is None else spec.audit,
+        "overlap": None if h is None else spec.overlap,
         "final_eval_loss_mean": statistics.fmean(finals), "final_eval_loss_std": _std(finals),
         "final_eval_loss_per_seed": finals, "bytes_per_worker": bytes_per_worker,
         "bytes_ratio_vs_ddp": float("nan"), "loss_gap_vs_ddp_pct": float("nan"),
@@ -350,23 +408,31 @@ def summarize(cfg: BenchConfig, name: str, h: int | None, codec: str | None, run
     }
 
 
+def best_ddp(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ddp row: the best final loss of the ddp sweep (its own row when there is no sweep). A swept
+    row is kept under its own name; the chosen one is copied as ``ddp`` with ``picked`` its name."""
+    swept = [r for r in results if r["H"] is None]
+    if not swept:
+        return None
+    best = min(swept, key=lambda r: r["final_eval_loss_mean"])
+    if best["variant"] == "ddp":
+        return best
+    row = {**best, "variant": "ddp", "picked": best["variant"]}
+    results.insert(0, row)
+    return row
+
+
 def run_benchmark(cfg: BenchConfig, log: Log = _stderr) -> list[dict[str, Any]]:
     corpus = load_sotu(min_tokens=4 * cfg.seq_len)
     eval_set = eval_batches(corpus.heldout, cfg.seq_len, cfg.eval_batch_size, cfg.eval_batches)
     results = []
-    for name, h, codec in cfg.variants():
-        runs = []
-        for seed in cfg.seeds:
-            if codec is None:
-                runs.append(run_ddp(cfg, corpus, eval_set, seed, log))
-            else:
-                assert h is not None
-                overlap = name.rsplit("_", 1)[1] if name.endswith(("_delayed", "_eager")) else "none"
-                runs.append(run_diloco(cfg, corpus, eval_set, seed, h, codec, log, overlap))
-        results.append(summarize(cfg, name, h, codec, runs))
-        log(f"== {name}: final held-out {results[-1]['final_eval_loss_mean']:.4f} "
+    for v in cfg.variants():
+        runs = [run_ddp(cfg, corpus, eval_set, seed, v, log) if v.h is None
+                else run_diloco(cfg, corpus, eval_set, seed, v, log) for seed in cfg.seeds]
+        results.append(summarize(cfg, v, runs))
+        log(f"== {v.name}: final held-out {results[-1]['final_eval_loss_mean']:.4f} "
             f"+- {results[-1]['final_eval_loss_std']:.4f} ({sum(r.seconds for r in runs):.0f}s)")
-    ddp = next((r for r in results if r["variant"] == "ddp"), None)
+    ddp = best_ddp(results)
     for res in results if ddp is not None else ():  # (--only without ddp: no ratios)
         res["bytes_ratio_vs_ddp"] = res["bytes_per_worker"] / ddp["bytes_per_worker"]
         res["loss_gap_vs_ddp_pct"] = 100.0 * (res["final_eval_loss_mean"] / ddp["final_eval_loss_mean"] - 1.0)
@@ -519,6 +585,18 @@ def _parse_hs(text: str) -> tuple[int, ...]:
     return hs
 
 
+def _parse_floats(flag: str, lo: float, hi: float) -> Callable[[str], tuple[float, ...]]:
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+        if not values or not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} needs numbers in [{lo:g}, {hi:g}], got {text!r}")
+        return values
+    return parse
+
+
 def build_config(args: argparse.Namespace) -> BenchConfig:
     mode = QUICK if args.quick else FULL
     for name in ("workers", "seeds", "steps", "batch_size", "seq_len", "eval_batches", "threads"):
@@ -537,12 +615,22 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit("--workers must be at least 2 (the ddp baseline of one worker sends nothing)")
     if steps % lcm:
         raise SystemExit(f"--steps {steps} must be a multiple of every H {list(hs)}, e.g. {steps // lcm * lcm + lcm}")
+    only = tuple(v for v in (getattr(args, "only", None) or "").split(",") if v)
+    default = not getattr(args, "no_default", False) and (not only or "default" in only)
+    if default and steps % preset.sync_every:
+        raise SystemExit(f"--steps {steps} must be a multiple of the preset's H {preset.sync_every} for the variant "
+                         "'default' (or pass --no-default)")
+    schedule = getattr(args, "schedule", "constant")
+    warmup = getattr(args, "warmup", 0) or 0
+    if warmup < 0 or (schedule == "cosine" and warmup >= steps):
+        raise SystemExit(f"--warmup must be in [0, --steps) with a cosine schedule, got {warmup}")
     return BenchConfig(
         preset=args.preset, workers=workers, seeds=tuple(range(args.seeds or mode.seeds)), hs=hs, steps=steps,
         batch_size=batch, seq_len=args.seq_len or preset.seq_len,
         eval_batches=args.eval_batches or mode.eval_batches, eval_batch_size=preset.batch_size,
         threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
-        only=tuple(v for v in (getattr(args, "only", None) or "").split(",") if v),
+        only=only, inner_lrs=getattr(args, "inner_lrs", None) or (), outer_lrs=getattr(args, "outer_lrs", None) or (),
+        outer_momenta=getattr(args, "outer_momenta", None) or (), warmup=warmup, schedule=schedule, default=default,
     )
 
 
@@ -568,6 +656,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="add int8 variants with overlapped rounds (the run spec's overlap 'delayed' and 'eager')")
     ap.add_argument("--only", help="comma-separated variant names to run (default all; without ddp there are no "
                     "ratios against it)")
+    ap.add_argument("--inner-lrs", type=_parse_floats("--inner-lrs", 1e-7, 1.0),
+                    help="comma-separated inner learning rates, swept for ddp and DiLoCo alike; the table's ddp is "
+                         "the best of its sweep (default: the preset's)")
+    ap.add_argument("--outer-lrs", type=_parse_floats("--outer-lrs", 0.0, 10.0),
+                    help="comma-separated outer learning rates swept for DiLoCo (default: the run spec's, 0.7)")
+    ap.add_argument("--outer-momenta", type=_parse_floats("--outer-momenta", 0.0, 0.999),
+                    help="comma-separated outer Nesterov momenta swept for DiLoCo (default: the run spec's, 0.9)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="inner steps of linear learning-rate warmup, ddp and DiLoCo alike (default 0)")
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                    help="learning rate after warmup, ddp and DiLoCo alike: cosine decays to a tenth at the last "
+                         "step (default constant)")
+    ap.add_argument("--no-default", action="store_true",
+                    help="leave out the variant 'default' (the run spec's defaults with the preset's H)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = build_config(args)

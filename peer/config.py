@@ -24,7 +24,8 @@ PRETRAINED = ("smollm2-135m",)  # packaged pretrained starts a run may name (pee
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32")
 OVERLAPS = ("none", "delayed", "eager")
-SPEC_VERSION = 5  # 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SCHEDULES = ("constant", "cosine")
+SPEC_VERSION = 6  # 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -138,6 +139,12 @@ class RunSpec:
     seq_len: int = 128
     batch_size: int = 16
     inner_lr: float = 2e-3
+    # the inner learning rate at the run's inner step s (round * sync_every + i; peer/train/schedule.py):
+    # linear warmup over ``inner_warmup`` steps, then constant or cosine down to a tenth of ``inner_lr``
+    # at ``inner_total_steps`` (cosine needs it: an open-ended run has no end to decay to)
+    inner_warmup: int = 0
+    inner_schedule: str = "constant"
+    inner_total_steps: int = 0
     inner_weight_decay: float = 0.1
     grad_clip: float = 1.0
     sync_every: int = 20  # H: inner steps per round
@@ -186,6 +193,13 @@ class RunSpec:
         _check_int("spec", "seq_len", self.seq_len, 8, self.model.max_seq_len)
         _check_int("spec", "batch_size", self.batch_size, 1, 4096)
         _check_range("spec", "inner_lr", self.inner_lr, 1e-7, 1.0)
+        _check_int("spec", "inner_warmup", self.inner_warmup, 0, 10**9)
+        if self.inner_schedule not in SCHEDULES:
+            raise ConfigError(f"spec.inner_schedule must be one of {SCHEDULES}, got {_short(self.inner_schedule)}")
+        _check_int("spec", "inner_total_steps", self.inner_total_steps, 0, 10**12)
+        if self.inner_schedule == "cosine" and self.inner_total_steps <= self.inner_warmup:
+            raise ConfigError(f"spec.inner_schedule 'cosine' needs inner_total_steps above inner_warmup "
+                              f"({self.inner_warmup}), got {self.inner_total_steps}: the step it decays to")
         _check_range("spec", "inner_weight_decay", self.inner_weight_decay, 0.0, 1.0)
         _check_range("spec", "grad_clip", self.grad_clip, 0.0, 1e6)
         _check_int("spec", "sync_every", self.sync_every, 1, 100_000)

@@ -19,7 +19,7 @@ KEYS = {"variant", "H", "tokens", "final_eval_loss_mean", "final_eval_loss_std",
 
 def test_convergence_quick_smoke(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="bench.convergence draws plot.png with matplotlib")
-    cmd = [sys.executable, "-m", "bench.convergence", "--quick", "--out", str(tmp_path), "--steps", "10",
+    cmd = [sys.executable, "-m", "bench.convergence", "--quick", "--out", str(tmp_path), "--steps", "10", "--no-default",
            "--seeds", "2", "--batch-size", "2", "--eval-batches", "1", "--threads", "1", "--overlap"]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -43,10 +43,11 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
     assert ddp["H"] is None and ddp["bytes_ratio_vs_ddp"] == 1.0
     assert len(ddp["curve"]) == 3  # 0, 5 and 10 steps: the token counts of every DiLoCo round
     assert (fp32_h5["H"], len(fp32_h5["curve"]), len(fp32_h10["curve"])) == (5, 3, 2)
-    assert fp32_h5["bytes_ratio_vs_ddp"] == pytest.approx(1 / 5)
-    assert fp32_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 10)
-    assert int8_h5["bytes_ratio_vs_ddp"] == pytest.approx(1 / 20, rel=0.01)
-    assert int8_h10["bytes_ratio_vs_ddp"] == pytest.approx(1 / 40, rel=0.01)
+    # audits (the run spec's default) send every part to a second member too: 1.5x a plain all-reduce
+    assert fp32_h5["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 5)
+    assert fp32_h10["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 10)
+    assert int8_h5["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 20, rel=0.01)
+    assert int8_h10["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 40, rel=0.01)
     for overlapped, sync in ((delayed_h5, int8_h5), (eager_h5, int8_h5), (delayed_h10, int8_h10), (eager_h10, int8_h10)):
         assert overlapped["bytes_per_worker"] == sync["bytes_per_worker"]  # the same rounds, applied later
     # one round (H10): the drain applies it, so overlapped ends exactly where synchronous does; two rounds
@@ -64,3 +65,24 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
     for name in VARIANTS:
         assert sum(line.startswith(f"| {name} |") for line in rows) == 1, md
     assert "overlapped − synchronous int8" in md and "| 10 | eager |" in md
+
+
+def test_convergence_sweep_picks_the_best_ddp_and_runs_the_shipped_default(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="bench.convergence draws plot.png with matplotlib")
+    cmd = [sys.executable, "-m", "bench.convergence", "--quick", "--out", str(tmp_path), "--steps", "20", "--H", "20",
+           "--seeds", "2", "--batch-size", "2", "--eval-batches", "1", "--threads", "1", "--inner-lrs", "0.0003,0.004",
+           "--warmup", "4", "--schedule", "cosine"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert set(rows) == {"ddp", "ddp_lr0.0003", "ddp_lr0.004", "diloco_fp32_H20_lr0.0003", "diloco_fp32_H20_lr0.004",
+                         "diloco_int8_H20_lr0.0003", "diloco_int8_H20_lr0.004", "default"}
+    swept = [rows["ddp_lr0.0003"], rows["ddp_lr0.004"]]
+    best = min(swept, key=lambda r: r["final_eval_loss_mean"])
+    assert rows["ddp"]["picked"] == best["variant"] and rows["ddp"]["final_eval_loss_mean"] == best["final_eval_loss_mean"]
+    assert swept[0]["final_eval_loss_mean"] != swept[1]["final_eval_loss_mean"]  # the rate really changed
+    assert all(r["inner_schedule"] == "cosine" and r["inner_warmup"] == 4 for r in swept)
+    default = rows["default"]  # the run spec's defaults, whatever the sweep: no schedule, the preset's H and rate
+    assert (default["H"], default["codec"], default["aggregation"], default["audit"]) == (20, "int8", "robust", True)
+    assert (default["inner_schedule"], default["inner_warmup"], default["inner_lr"]) == ("constant", 0, 2e-3)
+    assert default["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 80, rel=0.01)

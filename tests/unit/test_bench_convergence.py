@@ -180,6 +180,8 @@ def test_round_bytes() -> None:
     ratio = diloco_round_bytes(n, 4, get_codec("int8")) / diloco_round_bytes(n, 4, get_codec("fp32"))
     assert 0.25 < ratio < 0.2505
     assert diloco_round_bytes(n, 1, get_codec("int8")) == 0.0
+    # audits: every part also goes to its shard's auditor, 1.5x the plain all-reduce
+    assert diloco_round_bytes(n, 4, get_codec("int8"), audit=True) == 1.5 * diloco_round_bytes(n, 4, get_codec("int8"))
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -195,8 +197,22 @@ def test_config_defaults_and_validation() -> None:
     assert full.batch_size * full.workers == 16  # ddp's global batch is the preset's batch
     quick = build_config(_args(quick=True))
     assert (quick.workers, len(quick.seeds), quick.hs) == (2, 2, (5, 10)) and quick.steps % 10 == 0
-    assert [v[0] for v in quick.variants()] == ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_fp32_H10",
-                                                "diloco_int8_H10"]
+    assert [v.name for v in quick.variants()] == ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_fp32_H10",
+                                                  "diloco_int8_H10", "default"]
+    default = quick.variants()[-1]
+    assert (default.h, default.codec, default.shipped) == (20, "int8", True)  # the tiny preset's H, the spec's codec
+    swept = build_config(_args(quick=True, H=(10,), inner_lrs=(1e-3, 2e-3), outer_lrs=(0.7,), outer_momenta=(0.8, 0.9),
+                               no_default=True))
+    assert [v.name for v in swept.variants()] == [
+        "ddp_lr0.001", "ddp_lr0.002", "diloco_fp32_H10_lr0.001_om0.8", "diloco_fp32_H10_lr0.001_om0.9",
+        "diloco_fp32_H10_lr0.002_om0.8", "diloco_fp32_H10_lr0.002_om0.9", "diloco_int8_H10_lr0.001_om0.8",
+        "diloco_int8_H10_lr0.001_om0.9", "diloco_int8_H10_lr0.002_om0.8", "diloco_int8_H10_lr0.002_om0.9"]
+    spec = swept.spec(3, swept.variants()[-1])
+    assert (spec.inner_lr, spec.outer_lr, spec.outer_momentum, spec.sync_every, spec.init_seed) == (2e-3, 0.7, 0.9, 10, 3)
+    with pytest.raises(SystemExit, match="preset's H 20"):
+        build_config(_args(H=(10,), steps=30))  # the variant 'default' runs H 20
+    with pytest.raises(SystemExit, match="--warmup"):
+        build_config(_args(quick=True, schedule="cosine", warmup=40, steps=40))
     with pytest.raises(SystemExit):
         build_config(_args(H=(10, 25), steps=60))  # not a multiple of 25
     with pytest.raises(SystemExit):
