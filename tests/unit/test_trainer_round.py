@@ -125,16 +125,22 @@ def test_after_a_void_or_alone_round_fork_choice_waits_for_how_the_others_ended_
     # our state before it says how the round ended, we would train the next round on a lineage it left
     hooks = Hooks()
     spec = RunSpec(name="t", model=TINY, seq_len=16, batch_size=2, sync_every=2)
-    t = Trainer(TrainerParts(spec, "me", corpus, Splitter(), MetricsWriter(None), state=hooks), eval_batch_count=1,
+    splitter = Splitter()
+    t = Trainer(TrainerParts(spec, "me", corpus, splitter, MetricsWriter(None), state=hooks), eval_batch_count=1,
                 log=lambda _: None)
+    splitter.announce = lambda r, base, eta: hooks.calls.append(("announce", (r, base is not None)))  # type: ignore[method-assign]
     t.outer.round = 1
     for _ in range(3):
         t.catch_up()
         t.run_round()
     t.catch_up()
-    assert hooks.calls == [("catch_up", 1),
-                           ("wait_for_end", (1, ("B", "C"))), ("catch_up", 2),  # after the void
-                           ("wait_for_end", (2, ("B",))), ("catch_up", 3),  # after the alone round
+    # before each wait it announces the next round without a base (not chosen yet), so that the others'
+    # matchmaking waits for it; once it has chosen, the round's start announces it with its base
+    assert hooks.calls == [("catch_up", 1), ("announce", (1, True)),
+                           ("announce", (2, False)), ("wait_for_end", (1, ("B", "C"))), ("catch_up", 2),  # the void
+                           ("announce", (2, True)),
+                           ("announce", (3, False)), ("wait_for_end", (2, ("B",))), ("catch_up", 3),  # alone
+                           ("announce", (3, True)),
                            ("catch_up", 4)]  # after a round with a partner: nothing to wait for
 
 
