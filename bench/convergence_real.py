@@ -23,12 +23,16 @@ import tempfile
 from typing import Any
 
 
-def real_run(args: argparse.Namespace, rounds: int, aggregation: str) -> dict[str, Any]:
-    """One ``peer demo`` run; returns its JSON summary (raises on failure)."""
+def real_run(args: argparse.Namespace, rounds: int, aggregation: str, row: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One ``peer demo`` run with the simulated ``row``'s outer step and warmup (where it records them);
+    returns its JSON summary (raises on failure)."""
     with tempfile.TemporaryDirectory(prefix="hivetrain-real-") as workdir:
         cmd = [sys.executable, "-m", "hivetrain.peer.cli", "demo", "--peers", str(args.peers), "--rounds",
                str(rounds), "--sync-every", str(args.H), "--batch-size", str(args.batch_size), "--aggregation",
                aggregation, "--eval-batches", str(args.eval_batches), "--json", "--dir", workdir]
+        for key in ("outer_lr", "outer_momentum", "inner_warmup"):
+            if (row or {}).get(key) is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(row[key])]  # type: ignore[index]
         print("running:", " ".join(cmd[1:]), file=sys.stderr, flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
@@ -74,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     if variant not in simulated:
         print(f"error: {args.results} has no {variant}; run bench.convergence with --H {args.H}", file=sys.stderr)
         return 2
+    if simulated[variant].get("inner_schedule", "constant") != "constant":
+        print(f"error: {variant} in {args.results} ran a {simulated[variant]['inner_schedule']} schedule; the real "
+              "check runs a constant one (run bench.convergence without --schedule)", file=sys.stderr)
+        return 2
     rounds = args.steps // args.H
     runs = []
     for i in range(args.runs):
         try:
-            summary = real_run(args, rounds, aggregation)
+            summary = real_run(args, rounds, aggregation, simulated[variant])
         except (RuntimeError, subprocess.SubprocessError) as e:
             print(f"error: real run {i + 1}: {e}", file=sys.stderr)
             return 1

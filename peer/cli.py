@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--inner-total-steps", type=int,
                       help="the run's inner step where a cosine schedule ends: rounds x H (default 0: none)")
     spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
-    spec.add_argument("--outer-momentum", type=float, help="momentum of the outer Nesterov step (default 0.9)")
+    spec.add_argument("--outer-momentum", type=float,
+                      help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9)")
     spec.add_argument("--compression", choices=["int8", "fp32"],
                       help="how pseudo-gradients travel: int8 (4x fewer bytes) or fp32 (default int8)")
     spec.add_argument("--error-feedback", action="store_true", default=None,
@@ -187,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how reducers combine contributions (default robust)")
     demo.add_argument("--overlap", choices=["none", "delayed", "eager"], default=None,
                       help="delayed: all-reduce during the next round's inner steps (default none)")
+    demo.add_argument("--outer-lr", type=float, default=None, help="outer learning rate (default: the preset's)")
+    demo.add_argument("--outer-momentum", type=float, default=None, help="outer momentum (default: the preset's)")
+    demo.add_argument("--inner-warmup", type=int, default=None,
+                      help="inner steps of learning-rate warmup (default: the preset's)")
     demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (default 8)")
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line (default off)")

@@ -30,8 +30,10 @@ def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, s
         cmd += ["--new-run", "demo", "--preset", args.preset, "--target-group-size", str(args.peers),
                 "--info-file", os.path.join(workdir, "peer0.json")]
         for flag, value in (("--sync-every", args.sync_every), ("--batch-size", args.batch_size),
-                            ("--aggregation", args.aggregation), ("--overlap", args.overlap)):
-            if value:
+                            ("--aggregation", args.aggregation), ("--overlap", args.overlap),
+                            ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
+                            ("--inner-warmup", args.inner_warmup)):
+            if value is not None:
                 cmd += [flag, str(value)]
     else:
         cmd += ["--run", join[0], "--initial-peers", join[1]]

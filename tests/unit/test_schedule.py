@@ -70,3 +70,17 @@ def test_the_trainer_steps_with_the_rate_of_the_runs_step() -> None:
     trainer.inner_steps()
     assert seen == pytest.approx([inner_lr_at(spec, s) for s in range(4)])
     assert seen[-1] == spec.inner_lr
+
+
+def test_demo_passes_the_outer_step_and_warmup_to_the_owner_even_when_zero() -> None:
+    from hivetrain.peer.cli import build_parser
+    from hivetrain.peer.demo import _peer_cmd
+
+    args = build_parser().parse_args(["demo", "--outer-momentum", "0", "--outer-lr", "1", "--inner-warmup", "0"])
+    owner = _peer_cmd(0, "/tmp/w", args, None)
+    assert owner[owner.index("--outer-momentum") + 1] == "0.0" and owner[owner.index("--inner-warmup") + 1] == "0"
+    assert owner[owner.index("--outer-lr") + 1] == "1.0"
+    joiner = _peer_cmd(1, "/tmp/w", args, ("demo.key", "/ip4/127.0.0.1/tcp/1/p2p/x"))
+    assert "--outer-lr" not in joiner  # a joiner takes the run's spec
+    plain = _peer_cmd(0, "/tmp/w", build_parser().parse_args(["demo"]), None)
+    assert "--outer-lr" not in plain and "--inner-warmup" not in plain  # the preset's
