@@ -39,6 +39,7 @@ CLOCK_SKEW = 120.0  # seconds of tolerated clock difference between peers
 _DOMAIN = b"hivetrain-record-v1\0"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 KINDS = ("spec", "hb", "ready")
+MAX_MAP_LEN = 48  # entries of one msgpack map: the run spec has 34 fields (peer/config.py RunSpec)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -53,7 +54,7 @@ def strict_unpack(data: bytes, max_bytes: int) -> Any:
         value = msgpack.unpackb(
             bytes(data), raw=False, strict_map_key=True, ext_hook=_reject_ext, use_list=True,
             max_str_len=MAX_PAYLOAD_BYTES, max_bin_len=MAX_PAYLOAD_BYTES,
-            max_array_len=64, max_map_len=32, max_ext_len=0,
+            max_array_len=64, max_map_len=MAX_MAP_LEN, max_ext_len=0,
         )
     except InvalidRecord:
         raise

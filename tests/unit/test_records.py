@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -26,6 +27,7 @@ from hivetrain.dht.identity import (
 )
 from hivetrain.dht.records import (
     CLOCK_SKEW,
+    MAX_MAP_LEN,
     MAX_RECORD_BYTES,
     MAX_TTL,
     MAX_TTL_SPEC,
@@ -259,7 +261,7 @@ def test_strict_unpack_rejects_non_bytes() -> None:
     msgpack.packb(msgpack.ExtType(1, b"x")),
     msgpack.packb([1, msgpack.ExtType(0x40, msgpack.packb([1]))]),
     msgpack.packb(list(range(65))),  # container too long
-    msgpack.packb({str(i): i for i in range(33)}),
+    msgpack.packb({str(i): i for i in range(MAX_MAP_LEN + 1)}),
     msgpack.packb({1: 2}),  # non-string map key
     b"\x91",  # truncated
     b"\xc1",  # never-used byte
@@ -522,3 +524,12 @@ def test_identity_file_not_a_key(tmp_path: Path) -> None:
     path.write_bytes(b"not a key")
     with pytest.raises(ValueError, match="PEM"):
         Identity.load_or_create(str(path))
+
+
+def test_every_run_spec_field_fits_the_decoders_map_cap(owner: Identity) -> None:
+    # a spec with more fields than the cap cannot be fetched by any joiner ("malformed msgpack"): grow the cap
+    # with the spec (peer/config.py); a spec with every schedule field set still round-trips
+    assert len(dataclasses.fields(RunSpec)) <= MAX_MAP_LEN
+    spec = RunSpec.from_preset("r2", "tiny", inner_warmup=40, inner_schedule="cosine", inner_total_steps=4000)
+    run_key = make_run_key("r2", owner.public_key)
+    assert decode_spec(run_key, _spec_envelope(owner, run_key, spec)) == spec
