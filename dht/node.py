@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ from .validator import EnvelopeValidator
 T = TypeVar("T")
 REFRESH_PERIOD = 15.0  # seconds between attempts to re-contact peers that fell out of the routing table
 MAX_KNOWN = 256
+REAP_GRACE = 2.0  # seconds a daemon whose start failed gets to exit by itself before it is signalled (_reap)
 logger = logging.getLogger(__name__)
 
 
@@ -291,15 +293,22 @@ class DHT:
 
 
 async def _reap(processes: list[Any]) -> None:
-    """Waits (at most 5 s) for daemons whose start failed, on the loop that spawned them: hivemind
-    leaves a daemon that exited on a bootstrap failure unawaited, and once the loop is closed
-    asyncio's child watcher prints "Loop ... that handles pid ... is closed" into the user's output."""
+    """Waits for daemons whose start failed, on the loop that spawned them: hivemind leaves a daemon
+    that exited on a bootstrap failure unawaited, and once the loop is closed asyncio's child watcher
+    prints "Loop ... that handles pid ... is closed" into the user's output.
+
+    A daemon that failed to bootstrap exits by itself: it gets ``REAP_GRACE`` seconds before it is
+    signalled, and then by ``os.kill``, not ``Process.terminate``: that polls the pid first
+    (``Popen.send_signal``), and a poll that reaps an exited daemon before asyncio's watcher thread
+    does makes the watcher print "Unknown child process pid ..." into the user's output."""
     for process in processes:
-        if process.returncode is None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), REAP_GRACE)
+        if process.returncode is None:  # still running after the grace: stop it
             with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-        with contextlib.suppress(TimeoutError, ProcessLookupError):
-            await asyncio.wait_for(process.wait(), 5)
+                os.kill(process.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 5)
 
 
 def _quiet_dropped_streams(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
