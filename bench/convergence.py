@@ -56,7 +56,7 @@ from hivetrain.peer.config import PRESETS, RunSpec
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
-from hivetrain.peer.train.schedule import inner_lr_at
+from hivetrain.peer.train.schedule import set_inner_lr
 
 Batch = tuple[Tensor, Tensor]
 Log = Callable[[str], None]
@@ -147,8 +147,7 @@ class DdpSim:
 
     def step(self) -> float:
         """One step at the run spec's learning rate for it (the peers' schedule, peer/train/schedule.py)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = inner_lr_at(self.spec, self.steps)
+        set_inner_lr(self.optimizer, self.spec, self.steps)
         self.steps += 1
         return ddp_step(self.model, self.optimizer, [s.next_batch() for s in self.samplers], self.spec.grad_clip)
 

@@ -30,7 +30,7 @@ from hivetrain.peer.train import speed
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
 from hivetrain.peer.train.diloco import OuterState, copy_flat_to_params, copy_params_to_flat, state_hash
 from hivetrain.peer.train.model import Llama, build_model
-from hivetrain.peer.train.schedule import inner_lr_at
+from hivetrain.peer.train.schedule import set_inner_lr
 from hivetrain.peer.trust import Trust
 
 
@@ -171,9 +171,7 @@ class Trainer:
         pieces = self.spec.batch_size // self.micro_batch
         first = self.outer.round * self.spec.sync_every  # the run's inner step (peer/train/schedule.py)
         for i in range(self.spec.sync_every):
-            lr = inner_lr_at(self.spec, first + i)
-            for group in self.inner_opt.param_groups:
-                group["lr"] = lr
+            set_inner_lr(self.inner_opt, self.spec, first + i)
             x, y = self.sampler.next_batch()  # (B, T) each
             for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True):
                 with self._autocast():

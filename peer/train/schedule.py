@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from hivetrain.peer.config import RunSpec
 
 MIN_RATIO = 0.1  # cosine ends at a tenth of the peak (the usual floor; Chinchilla, nanoGPT)
@@ -30,3 +32,10 @@ def inner_lr_at(spec: RunSpec, step: int) -> float:
     span = spec.inner_total_steps - spec.inner_warmup  # > 0: the spec refuses a cosine without room to decay
     progress = min(1.0, (step - spec.inner_warmup) / span)
     return spec.inner_lr * (MIN_RATIO + (1.0 - MIN_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def set_inner_lr(optimizer: torch.optim.Optimizer, spec: RunSpec, step: int) -> None:
+    """Sets every parameter group of ``optimizer`` to the rate of the run's inner step ``step``."""
+    lr = inner_lr_at(spec, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
