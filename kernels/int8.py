@@ -273,39 +273,78 @@ def decode_accumulate_fp32(payload: Payload, numel: int, acc: torch.Tensor, weig
 
 @dataclass(frozen=True)
 class Codec:
-    """A wire codec chosen by name (``"int8"`` or ``"fp32"``); build it with :func:`get_codec`."""
+    """A wire codec chosen by name (``"int8"``, ``"fp32"`` or ``"sparse"``); build it with :func:`get_codec`.
+
+    ``k``: values kept per chunk (sparse only, kernels/sparse.py; 0 otherwise)."""
 
     name: str
     chunk_size: int = CHUNK_SIZE
+    k: int = 0
 
     def encoded_nbytes(self, numel: int) -> int:
         if self.name == "int8":
             return encoded_nbytes(numel, self.chunk_size)
+        if self.name == "sparse":
+            return _sparse.encoded_nbytes(numel, self.chunk_size, self.k)
         return encoded_nbytes_fp32(numel)
 
     def encode(self, x: torch.Tensor) -> bytes:
-        return encode(x, self.chunk_size) if self.name == "int8" else encode_fp32(x)
+        if self.name == "int8":
+            return encode(x, self.chunk_size)
+        if self.name == "sparse":
+            return _sparse.encode(x, self.chunk_size, self.k)
+        return encode_fp32(x)
 
     def decode(self, payload: Payload, numel: int) -> torch.Tensor:
-        return decode(payload, numel, self.chunk_size) if self.name == "int8" else decode_fp32(payload, numel)
+        if self.name == "int8":
+            return decode(payload, numel, self.chunk_size)
+        if self.name == "sparse":
+            return _sparse.decode(payload, numel, self.chunk_size, self.k)
+        return decode_fp32(payload, numel)
 
     def decode_accumulate(self, payload: Payload, numel: int, acc: torch.Tensor, weight: float = 1.0) -> None:
         if self.name == "int8":
             decode_accumulate(payload, numel, acc, weight, self.chunk_size)
+        elif self.name == "sparse":
+            _check_acc(acc, numel, float(weight))
+            acc.add_(_sparse.decode(payload, numel, self.chunk_size, self.k).mul_(float(weight)))
         else:
             decode_accumulate_fp32(payload, numel, acc, weight)
 
+    def for_results(self, members: int) -> Codec:
+        """The codec a reducer encodes a group's combination with: this one, except for sparse, whose
+        average of ``members`` parts has up to ``members`` x k values per chunk: a sparse codec with
+        that many slots while it is smaller than int8's byte per value, else dense int8."""
+        if self.name != "sparse":
+            return self
+        k = _sparse.result_k(self.k, members, self.chunk_size)
+        if 4 + 3 * k < self.chunk_size:
+            return Codec("sparse", self.chunk_size, k)
+        return Codec("int8", CHUNK_SIZE)
 
-def get_codec(name: str, chunk_size: int = CHUNK_SIZE) -> Codec:
-    """The codec called ``name``; CodecError for any other name (there is no silent fallback)."""
-    if name not in ("int8", "fp32"):
-        raise CodecError(f"unknown codec {name!r}; expected 'int8' or 'fp32'")
+
+def get_codec(name: str, chunk_size: int = CHUNK_SIZE, k: int = 0) -> Codec:
+    """The codec called ``name``; CodecError for any other name (there is no silent fallback).
+
+    ``sparse`` takes its own chunk and ``k`` (kernels/sparse.py's defaults when ``k`` is 0): the run
+    spec's ``chunk_size`` is int8's."""
+    if name not in ("int8", "fp32", "sparse"):
+        raise CodecError(f"unknown codec {name!r}; expected 'int8', 'fp32' or 'sparse'")
+    if name == "sparse":
+        if not k:
+            chunk_size, k = _sparse.SPARSE_CHUNK, _sparse.SPARSE_K
+        try:
+            _sparse.check_params(chunk_size, k)
+        except ValueError as e:
+            raise CodecError(str(e)) from None
+        return Codec(name, chunk_size, k)
     _check_chunk_size(chunk_size)
     return Codec(name, chunk_size)
 
 
 # Imported last: fast_cpu uses the helpers above (its self-test compares against the references).
 from . import fast_cpu as _fast_cpu  # noqa: E402
+from . import sparse as _sparse  # noqa: E402
 
 ACTIVE_PATH: str | None = None
 """Which implementation ``encode``/``decode``/``decode_accumulate`` use: ``"c"`` (the compiled kernel of

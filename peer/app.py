@@ -205,7 +205,7 @@ def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Tru
                    behaviour: Behaviour) -> P2PAverager:
     """The averaging protocol over this peer's libp2p daemon, on the DHT's loop."""
     codec = get_codec(spec.compression, spec.chunk_size)
-    ef = ErrorFeedback(numel) if spec.error_feedback and spec.compression == "int8" else None
+    ef = ErrorFeedback(numel) if spec.carries_residual else None
     ctx = PeerContext(spec, numel, codec, LibP2PLink(dht.p2p), dht.identity, trust, Bans(), behaviour, ef)
     return P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
 

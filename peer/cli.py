@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
     spec.add_argument("--outer-momentum", type=float,
                       help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9)")
-    spec.add_argument("--compression", choices=["int8", "fp32"],
-                      help="how pseudo-gradients travel: int8 (4x fewer bytes) or fp32 (default int8)")
+    spec.add_argument("--compression", choices=["int8", "fp32", "sparse"],
+                      help="how pseudo-gradients travel: int8 (4x fewer bytes), fp32, or sparse (the largest 64 "
+                           "of every 4096 values as int8, the rest carried to later rounds: ~20x fewer bytes "
+                           "than int8 per part) (default int8)")
     spec.add_argument("--error-feedback", action="store_true", default=None,
                       help="carry each round's int8 quantization residual into the next round (default off)")
     spec.add_argument("--aggregation", choices=["robust", "mean"],

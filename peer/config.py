@@ -22,10 +22,10 @@ HF_ARCHS = ("llama", "mistral", "qwen2")  # transformers model types a run may t
 MAX_HF_CONFIG = 16384  # characters of a run spec's architecture JSON
 PRETRAINED = ("smollm2-135m",)  # packaged pretrained starts a run may name (peer/train/hf.py)
 RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
-COMPRESSIONS = ("int8", "fp32")
+COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
-SPEC_VERSION = 6  # 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 7  # 7: compression "sparse"; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -170,7 +170,7 @@ class RunSpec:
     piece_values: int = 1 << 21
     init_seed: int = 0
     aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
-    error_feedback: bool = False  # send this round's quantization residual with the next round's part
+    error_feedback: bool = False  # send this round's int8 quantization residual with the next round's part (sparse: always)
     max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
     audit: bool = True  # every shard recomputed by a second member; a wrong aggregate is void (+50% part bytes)
     min_round_s: float = 0.2  # seconds: no round is faster; bounds the round a heartbeat may claim (fork choice)
@@ -186,6 +186,12 @@ class RunSpec:
     tokenizer: str = "bytes"  # "bytes" (token = UTF-8 byte) or "sha256:<hex>" of the tokenizer's JSON
     pretrained: str = ""
     version: int = SPEC_VERSION
+
+    @property
+    def carries_residual(self) -> bool:
+        """Whether peers keep error feedback (kernels/error_feedback.py): sparse always (what top-k
+        leaves out is sent in later rounds), int8 when ``error_feedback`` asks for it."""
+        return self.compression == "sparse" or (self.error_feedback and self.compression == "int8")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not RUN_NAME_RE.fullmatch(self.name):

@@ -215,7 +215,7 @@ class AllReduceRunner:
         for peer in s.order:
             if peer == ctx.me:
                 continue
-            body = ctx.behaviour.result_for(s.round, k, peer, shard.result, end - start, ctx.codec)
+            body = ctx.behaviour.result_for(s.round, k, peer, shard.result, end - start, s.result_codec)
             result_hash = hashlib.sha256(body).digest()
             sig = shard.result_sig if body == shard.result else sign_result(ctx.identity, s.where(k), result_hash,
                                                                             commit)
@@ -287,7 +287,7 @@ class AllReduceRunner:
     def _gather(self) -> tuple[torch.Tensor, list[bytes | None], list[tuple[int, int]], str]:
         """Decodes every shard's result into one vector, applying the verdicts (see the module doc).
         Returns (averaged, per-shard applied result hash or None, void ranges, conflict or "")."""
-        s, codec = self.session, self.ctx.codec
+        s, codec = self.session, self.session.result_codec
         averaged = torch.empty(s.numel, dtype=torch.float32)  # (numel,) fp32
         applied: list[bytes | None] = []
         voids: list[tuple[int, int]] = []

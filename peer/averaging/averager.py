@@ -212,7 +212,9 @@ class P2PAverager:
     def max_body(self) -> int:
         """The largest body any message can have: one whole encoded vector (a group of one), or the
         statements of a round's MAX_PIECES shards."""
-        return max(self.ctx.codec.encoded_nbytes(self.ctx.numel), MAX_PIECES * STATEMENT_LEN)
+        codec, numel = self.ctx.codec, self.ctx.numel
+        results = max(codec.for_results(n).encoded_nbytes(numel) for n in range(1, MAX_GROUP + 1))
+        return max(codec.encoded_nbytes(numel), results, MAX_PIECES * STATEMENT_LEN)
 
     def is_member(self, peer: str) -> bool:
         session = self.sessions.get(self.current_round)

@@ -38,6 +38,7 @@ import torch
 
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
+from hivetrain.kernels.sparse import LEVELS as SPARSE_LEVELS
 from hivetrain.peer.averaging.aggregation import AGGREGATIONS, OUTLIER, aggregate, outliers
 from hivetrain.peer.errors import RoundFailed
 
@@ -45,7 +46,10 @@ DIGEST_HEX = 32  # hex characters of a part digest (128 bits of SHA-256)
 MAX_REASON = 280  # characters of a Finding's reason
 
 # Robust audit thresholds, per chunk, in units of the chunk's quantization step (int8: (max - min) / 255
-# of the auditor's recomputed chunk; fp32: FP32_STEP x the chunk's largest magnitude).
+# of the auditor's recomputed chunk; sparse: its largest magnitude / 127; fp32: FP32_STEP x the
+# chunk's largest magnitude). Sparse results: the signed mean and rms are over the positions either
+# result fills (a chunk is mostly zeros, which would dilute them), and results are compared decoded, so
+# which near-zero positions fill a result's spare slots does not matter.
 # Honest jitter, measured with `python -m bench.robust --jitter` (3-16 members, two honest models, int8
 # chunks of 4096 and 65536, fp32; 2 threads): recomputing with the parts in reverse order, with float64
 # norms, all in float64, or on 1 thread moved a value by at most 1.0 step (a value on a rounding
@@ -92,6 +96,11 @@ class ShardInputs:
     numel: int  # values in this shard
     codec: Codec
     how: str  # "mean" or "robust"
+
+    @property
+    def result_codec(self) -> Codec:
+        """How the reducer encodes the combination (kernels/int8.py Codec.for_results)."""
+        return self.codec.for_results(len(self.order))
 
     def __post_init__(self) -> None:
         if self.how not in AGGREGATIONS:
@@ -166,7 +175,7 @@ def reduce_shard(inputs: ShardInputs, probation: Collection[str] = (), digests: 
     combined = aggregate(list(decoded.values()), inputs.how)  # (numel,) fp32
     if digests is None:
         digests = part_digests(inputs.received, inputs.invalid, inputs.order)
-    return Shard(inputs.codec.encode(combined), combined, excluded, digests, on_probation)
+    return Shard(inputs.result_codec.encode(combined), combined, excluded, digests, on_probation)
 
 
 def audit_shard(result: bytes, committed: Sequence[str], inputs: ShardInputs,
@@ -196,10 +205,11 @@ def audit_shard(result: bytes, committed: Sequence[str], inputs: ShardInputs,
     if result == expected.result:
         return None
     try:
-        got = inputs.codec.decode(result, inputs.numel)  # (numel,) fp32
+        got = inputs.result_codec.decode(result, inputs.numel)  # (numel,) fp32
     except CodecError as err:
         return Finding(FindingKind.WRONG_AGGREGATE, f"malformed result ({err})")
-    off = chunk_errors(got, inputs.codec.decode(expected.result, inputs.numel), expected.fp32, inputs.codec)
+    off = chunk_errors(got, inputs.result_codec.decode(expected.result, inputs.numel), expected.fp32,
+                       inputs.result_codec)
     where = (f"worst value {off.worst_value:.3g} steps, signed mean {off.worst_bias:+.3g}, "
              f"rms {off.worst_rms:.3g} (chunks {off.value_chunk}, {off.bias_chunk}, {off.rms_chunk})")
     if inputs.how == "mean":
@@ -252,10 +262,14 @@ def chunk_errors(got: torch.Tensor, expected: torch.Tensor, expected_fp32: torch
         if last < chunk and numel:
             lo[-1], hi[-1] = x[-1, :last].min(), x[-1, :last].max()
         step = (hi - lo) / 255.0
+    elif codec.name == "sparse":  # symmetric: max |x| / 127
+        step = magnitude / float(SPARSE_LEVELS)
     else:
         step = FP32_STEP * magnitude
     step = step + 2.0**-20 * magnitude + 1e-30  # a constant chunk (range 0) still has float slack
     e = (rows(got) - rows(expected)) / step[:, None]  # (n_chunks, chunk) in steps (float64: no overflow)
+    if codec.name == "sparse":  # the statistics are over the positions either side fills, not the zeros around
+        lengths = ((rows(got) != 0) | (rows(expected) != 0)).sum(dim=1).double().clamp_min(1.0)
     value = e.abs().amax(dim=1)  # (n_chunks,)
     allow = ALLOWED_FLIPS / lengths  # (n_chunks,)
     mean = e.sum(dim=1) / lengths

@@ -99,6 +99,7 @@ class RoundSession:
         self.closed = closed & set(order)  # outbound-only members: nobody dials them, they reduce and audit nothing
         self.group = group_hash(order, round_, base, self.closed)
         self.n = len(order)
+        self.result_codec = codec.for_results(self.n)  # the reducers' encoding (sparse: room for n parts)
         self.reducers = tuple(p for p in order if p not in self.closed) or (order if self.n == 1 else ())
         if not self.reducers:
             raise RoundFailed("no member of the group can be dialed: nobody can reduce")
@@ -129,8 +130,14 @@ class RoundSession:
         return not (peer in self.closed and self.me in self.closed)
 
     def shard_nbytes(self, k: int) -> int:
+        """Bytes of a member's part of shard ``k``."""
         start, end = self.bounds[k]
         return self.codec.encoded_nbytes(end - start)
+
+    def result_nbytes(self, k: int) -> int:
+        """Bytes of the reducer's result of shard ``k``."""
+        start, end = self.bounds[k]
+        return self.result_codec.encoded_nbytes(end - start)
 
     def where(self, k: int) -> Where:
         return Where(self.run, self.round, self.group, k)
@@ -199,7 +206,7 @@ class RoundSession:
         message = result_message(self.where(k), bytes.fromhex(header["result"]), commit)
         if not valid(sender, bytes.fromhex(header["sig"]), message):
             return self._convict(sender, Code.MALFORMED, f"its result of shard {k} is not signed by it")
-        if body_len != self.shard_nbytes(k):
+        if body_len != self.result_nbytes(k):
             return self._convict(sender, Code.WRONG_SIZE, f"its result of shard {k} has the wrong size")
         return None
 
@@ -290,7 +297,8 @@ class RoundSession:
     def bound(self) -> int:
         """The most bytes of peer input a session can hold: the parts of the shards we reduce and
         audit from every member, every shard's result, and every member's statements."""
-        return 3 * sum(self.shard_nbytes(k) for k in range(self.units)) + self.n * self.units * STATEMENT_LEN
+        return sum(2 * self.shard_nbytes(k) + self.result_nbytes(k) for k in range(self.units)) + \
+            self.n * self.units * STATEMENT_LEN
 
     def held_bytes(self) -> int:
         """Bytes of peer input this session holds (parts, results, evidence): bounded by its group."""

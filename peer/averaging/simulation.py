@@ -79,7 +79,7 @@ class LocalSwarm:
         link = self.net.link(identity.peer_id, addr)
         if nat:
             self.net.behind_nat.add(identity.peer_id)
-        ef = ErrorFeedback(self.numel) if self.spec.error_feedback and self.spec.compression == "int8" else None
+        ef = ErrorFeedback(self.numel) if self.spec.carries_residual else None
         ctx = PeerContext(self.spec, self.numel, get_codec(self.spec.compression, self.spec.chunk_size), link,
                           identity, Trust(), Bans(), behaviour, ef, closed=nat)
         self.peers.append(P2PAverager(ctx, self.board, self.loop).start())

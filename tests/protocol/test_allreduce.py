@@ -51,6 +51,41 @@ def test_fp32_mean_is_exact() -> None:
         swarm.close()
 
 
+@pytest.mark.parametrize("how", ["mean", "robust"])
+def test_sparse_rounds_are_bit_identical_and_the_mean_is_the_reducers_exact_one(how: str) -> None:
+    """compression sparse: top-k parts with error feedback, results with room for every part; the
+    robust audit passes honest reducers (no void shard), and with mean every member applies exactly
+    the result codec's encoding of the fp32 mean of the decoded parts, shard by shard."""
+    n, numel = 3, 20_000
+    swarm = LocalSwarm(spec(n, compression="sparse", aggregation=how), numel, n)
+    try:
+        assert all(p.ctx.ef is not None for p in swarm.peers)  # sparse always carries its residual
+        for r in range(2):
+            d = deltas(n, numel, seed=r)
+            residuals = [p.ctx.ef.residual.clone() for p in swarm.peers]  # type: ignore[union-attr]
+            done = assert_identical(swarm.all_reduce(r, BASE, d), members=n)
+            assert not done[0].void_ranges and not done[0].excluded
+            by_peer = {p.ctx.me: d[i] + residuals[i] for i, p in enumerate(swarm.peers)}
+            codec = get_codec("sparse")
+            result_codec = codec.for_results(n)
+            expected = torch.empty(numel)
+            for (a, b) in shard_bounds(numel, swarm.peers[0].sessions[r].units):  # shards in the group's order
+                acc = torch.zeros(b - a)
+                for p in done[0].group:
+                    acc.add_(codec.decode(codec.encode(by_peer[p][a:b].contiguous()), b - a))
+                expected[a:b] = result_codec.decode(result_codec.encode(acc.mul_(1.0 / n)), b - a)
+            if how == "mean":
+                assert torch.equal(done[0].averaged, expected)
+            else:  # robust: near the mean of the same sparse parts
+                assert float((done[0].averaged - expected).norm() / expected.norm()) < 0.5
+            bounds = shard_bounds(numel, swarm.peers[0].sessions[r].units)
+            room = sum(min(b - a, n * codec.k) * -(-(b - a) // codec.chunk_size) for a, b in bounds)
+            assert 0 < int((done[0].averaged != 0).sum()) <= room
+            assert all(bool(p.ctx.ef.residual.any()) for p in swarm.peers)  # type: ignore[union-attr]
+    finally:
+        swarm.close()
+
+
 def test_consecutive_rounds_and_trust_is_earned() -> None:
     n = 3
     swarm = LocalSwarm(spec(n), NUMEL, n)

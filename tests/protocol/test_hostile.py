@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from hivetrain.dht.identity import Identity
@@ -434,11 +435,12 @@ def test_a_ready_peer_that_never_answers_views_costs_one_view_timeout() -> None:
 # ---- byzantine members inside the group (ported from the subprocess tests) -------------------------------
 
 
-def test_one_of_four_sending_garbage_is_left_out_named_and_banned() -> None:
+@pytest.mark.parametrize("compression", ["int8", "sparse"])
+def test_one_of_four_sending_garbage_is_left_out_named_and_banned(compression: str) -> None:
     for attack in ("nan", "flip", "scale", "huge"):
         n = 4
         plan = FaultPlan.parse(f"{attack}@parts:0")
-        swarm = LocalSwarm(spec(n), NUMEL, n, behaviours={3: plan})
+        swarm = LocalSwarm(spec(n, compression=compression), NUMEL, n, behaviours={3: plan})
         try:
             results = swarm.all_reduce(0, BASE, deltas(n))
             assert plan.fired
@@ -452,10 +454,11 @@ def test_one_of_four_sending_garbage_is_left_out_named_and_banned() -> None:
             swarm.close()
 
 
-def test_a_reducer_returning_a_wrong_aggregate_is_caught_by_its_auditor_and_every_member() -> None:
+@pytest.mark.parametrize("compression", ["int8", "sparse"])
+def test_a_reducer_returning_a_wrong_aggregate_is_caught_by_its_auditor_and_every_member(compression: str) -> None:
     n = 4
     plan = FaultPlan.parse("wrongsum@results:0")
-    swarm = LocalSwarm(spec(n), NUMEL, n, behaviours={3: plan})
+    swarm = LocalSwarm(spec(n, compression=compression), NUMEL, n, behaviours={3: plan})
     try:
         results = swarm.all_reduce(0, BASE, deltas(n))
         cheat = swarm.ids()[3]
