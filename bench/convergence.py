@@ -20,12 +20,17 @@ and every variant of seed s starts from ``build_model(preset, init_seed=s)``.
   links, and every worker applies the outer Nesterov step; the workers' states are checked to be
   bit-identical after every round.
 
-There is no ``int8ef`` variant: error feedback (run spec ``error_feedback``) is not enabled here.
+* ``sparse_H<H>``: the same with the run spec's ``compression: sparse`` (the 64 largest of every 4096
+  values as int8, error feedback on what was left out; reducers' results hold every member's values).
+* ``default``: the run spec's and the preset's defaults throughout (int8, the preset's H).
+
+There is no ``int8ef`` variant: int8's optional error feedback (run spec ``error_feedback``) is not enabled here.
 
 Held-out loss is measured on the same evaluation batches at every round boundary of every DiLoCo variant
 (and for ``ddp`` at the union of those token counts). Bytes per worker are what would cross the network:
-DiLoCo ``2 (N-1)/N`` times the codec's encoded size of the per-shard payloads per round (reduce-scatter plus
-all-gather), ``ddp`` ``ring_allreduce_bytes(numel, N)`` per step (message headers are not counted).
+DiLoCo ``(N-1)/N`` times the encoded parts (reduce-scatter; twice with audits) plus the encoded results
+(all-gather) per round (:func:`diloco_round_bytes`), ``ddp`` ``ring_allreduce_bytes(numel, N)`` per step
+(message headers are not counted).
 
 Outputs in ``--out``: ``results.json`` (one object per variant), ``results.md`` (tables), ``plot.png``
 (held-out loss against tokens, mean and +- one standard deviation over seeds) and ``config.json``.
@@ -237,15 +242,20 @@ class DilocoSim:
 def diloco_round_bytes(numel: int, workers: int, codec: Codec, audit: bool = False) -> float:
     """Mean bytes one worker sends per round in a reduce-scatter + all-gather of the encoded shards.
 
-    Worker k sends its encoding of every other shard (reduce-scatter) and its re-encoded shard k to the N-1
-    others (all-gather); averaged over workers that is ``2 (N-1)/N * sum_k encoded_nbytes(shard k)``.
-    ``audit`` (the run spec's default): every part also goes to its shard's auditor (the reducer's own
-    part included), which doubles the reduce-scatter: ``3 (N-1)/N * sum_k encoded_nbytes(shard k)``.
+    Worker k sends its part of every other shard (reduce-scatter) and its result of shard k to the N-1
+    others (all-gather); averaged over workers that is ``(N-1)/N * sum_k (part(k) + result(k))``, i.e.
+    ``2 (N-1)/N`` encoded vectors when results are encoded like parts (int8, fp32). ``audit`` (the run
+    spec's default): every part also goes to its shard's auditor (the reducer's own part included), which
+    doubles the reduce-scatter. Sparse results have room for every member's values
+    (``Codec.for_results``), so they are larger than a part.
     """
     if workers <= 1:
         return 0.0
-    encoded = sum(codec.encoded_nbytes(end - start) for start, end in shard_bounds(numel, workers))
-    return (3 if audit and workers > 1 else 2) * (workers - 1) * encoded / workers
+    results = codec.for_results(workers)
+    shards = shard_bounds(numel, workers)
+    parts = sum(codec.encoded_nbytes(end - start) for start, end in shards)
+    gathered = sum(results.encoded_nbytes(end - start) for start, end in shards)
+    return (workers - 1) * ((2 if audit else 1) * parts + gathered) / workers
 
 
 # ---- one benchmark run ----------------------------------------------------------------------------------
@@ -291,6 +301,7 @@ class BenchConfig:
     warmup: int = 0  # inner steps of linear warmup, ddp and DiLoCo alike (the run spec's inner_warmup)
     schedule: str = "constant"  # or "cosine" to a tenth at the last step, ddp and DiLoCo alike
     default: bool = True  # add the variant ``default``: the run spec's defaults and the preset's H, int8
+    sparse_hs: tuple[int, ...] = ()  # add ``sparse_H<H>`` for these H (the bench's settings, compression sparse)
 
     @property
     def tokens_per_step(self) -> int:
@@ -303,7 +314,8 @@ class BenchConfig:
 
     def variants(self) -> list[Variant]:
         """Table order: ddp (one per inner lr), then per H and codec every setting swept; ``default``;
-        a name ending in ``_delayed`` or ``_eager`` runs overlapped rounds."""
+        a name ending in ``_delayed`` or ``_eager`` runs overlapped rounds; ``sparse_H<H>`` (the swept
+        settings when a sweep has one value, else the run spec's)."""
         ilrs: Sequence[float | None] = self.inner_lrs or (None,)
         olrs: Sequence[float | None] = self.outer_lrs or (None,)
         moms: Sequence[float | None] = self.outer_momenta or (None,)
@@ -318,6 +330,8 @@ class BenchConfig:
                             out.append(Variant(f"diloco_{c}_H{h}{tag}", h, c, "none", lr, olr, mom))
             if self.overlap:
                 out += [Variant(f"diloco_int8_H{h}_{mode}", h, "int8", mode) for mode in ("delayed", "eager")]
+        one = [values[0] if len(values) == 1 else None for values in (self.inner_lrs, self.outer_lrs, self.outer_momenta)]
+        out += [Variant(f"sparse_H{h}", h, "sparse", "none", *one) for h in self.sparse_hs]
         if self.default:
             out.append(Variant("default", self.default_h, RunSpec("defaults").compression, shipped=True))
         return [v for v in out if not self.only or v.name in self.only]
@@ -341,7 +355,7 @@ class SeedRun:
 
 def run_ddp(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed: int, v: Variant, log: Log) -> SeedRun:
     sim = DdpSim(cfg.spec(seed, v), corpus, cfg.workers, seed)
-    hs = {*cfg.hs, cfg.default_h} if cfg.default else set(cfg.hs)
+    hs = {*cfg.hs, *cfg.sparse_hs, *([cfg.default_h] if cfg.default else [])}
     points = sorted({0} | {k * h for h in hs for k in range(1, cfg.steps // h + 1)})
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
@@ -526,7 +540,8 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
         if r["H"] is None:
             color, style = "black", "-"
         else:
-            color, style = colors(0.85 * hs.index(r["H"]) / max(len(hs) - 1, 1)), "-" if r["codec"] == "fp32" else "--"
+            color = colors(0.85 * hs.index(r["H"]) / max(len(hs) - 1, 1))
+            style = {"fp32": "-", "sparse": ":"}.get(r["codec"], "--")
         half = next(i for i, t in enumerate(tokens) if t >= tokens[-1] / 2)  # zoom: the second half of the tokens
         for ax, start in zip(axes, (0, half), strict=True):
             t, m, s = tokens[start:], mean[start:], std[start:]
@@ -572,6 +587,7 @@ class Mode:
 
 FULL = Mode(workers=4, seeds=3, hs=(10, 25, 50), rounds_at_lcm=8, eval_batches=8, batch_size=None)
 QUICK = Mode(workers=2, seeds=2, hs=(5, 10), rounds_at_lcm=4, eval_batches=2, batch_size=4)
+# sparse_H<H> rows, unless --sparse-H or --no-sparse says otherwise: at the largest H of the mode
 
 
 def _parse_hs(text: str) -> tuple[int, ...]:
@@ -615,6 +631,11 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if steps % lcm:
         raise SystemExit(f"--steps {steps} must be a multiple of every H {list(hs)}, e.g. {steps // lcm * lcm + lcm}")
     only = tuple(v for v in (getattr(args, "only", None) or "").split(",") if v)
+    sparse_hs: tuple[int, ...] = () if getattr(args, "no_sparse", False) else (getattr(args, "sparse_H", None) or hs[-1:])
+    if only:
+        sparse_hs = tuple(h for h in sparse_hs if f"sparse_H{h}" in only)
+    if any(steps % h for h in sparse_hs):
+        raise SystemExit(f"--steps {steps} must be a multiple of every --sparse-H {list(sparse_hs)}")
     default = not getattr(args, "no_default", False) and (not only or "default" in only)
     if default and steps % preset.sync_every:
         raise SystemExit(f"--steps {steps} must be a multiple of the preset's H {preset.sync_every} for the variant "
@@ -630,6 +651,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
         only=only, inner_lrs=getattr(args, "inner_lrs", None) or (), outer_lrs=getattr(args, "outer_lrs", None) or (),
         outer_momenta=getattr(args, "outer_momenta", None) or (), warmup=warmup, schedule=schedule, default=default,
+        sparse_hs=sparse_hs,
     )
 
 
@@ -667,6 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
                     help="learning rate after warmup, ddp and DiLoCo alike: cosine decays to a tenth at the last "
                          "step (default constant)")
+    ap.add_argument("--sparse-H", type=_parse_hs,
+                    help="comma-separated H of the sparse_H<H> rows (compression sparse; default: the largest --H)")
+    ap.add_argument("--no-sparse", action="store_true", help="leave out the sparse_H<H> rows")
     ap.add_argument("--no-default", action="store_true",
                     help="leave out the variant 'default' (the run spec's defaults with the preset's H)")
     args = ap.parse_args(argv)

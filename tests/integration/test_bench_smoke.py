@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_int8_H5_delayed", "diloco_int8_H5_eager",
-            "diloco_fp32_H10", "diloco_int8_H10", "diloco_int8_H10_delayed", "diloco_int8_H10_eager"]
+            "diloco_fp32_H10", "diloco_int8_H10", "diloco_int8_H10_delayed", "diloco_int8_H10_eager", "sparse_H10"]
 KEYS = {"variant", "H", "tokens", "final_eval_loss_mean", "final_eval_loss_std", "seeds", "bytes_per_worker",
         "bytes_ratio_vs_ddp", "curve"}
 
@@ -39,7 +39,7 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
         assert all(len(p) == 3 and all(math.isfinite(v) for v in p) for p in curve)
         assert [p[0] for p in curve] == sorted({p[0] for p in curve})
         assert curve[-1][1] == pytest.approx(r["final_eval_loss_mean"])
-    ddp, fp32_h5, int8_h5, delayed_h5, eager_h5, fp32_h10, int8_h10, delayed_h10, eager_h10 = results
+    ddp, fp32_h5, int8_h5, delayed_h5, eager_h5, fp32_h10, int8_h10, delayed_h10, eager_h10, sparse_h10 = results
     assert ddp["H"] is None and ddp["bytes_ratio_vs_ddp"] == 1.0
     assert len(ddp["curve"]) == 3  # 0, 5 and 10 steps: the token counts of every DiLoCo round
     assert (fp32_h5["H"], len(fp32_h5["curve"]), len(fp32_h10["curve"])) == (5, 3, 2)
@@ -48,6 +48,9 @@ def test_convergence_quick_smoke(tmp_path: Path) -> None:
     assert fp32_h10["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 10)
     assert int8_h5["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 20, rel=0.01)
     assert int8_h10["bytes_ratio_vs_ddp"] == pytest.approx(1.5 / 40, rel=0.01)
+    # sparse: 64 of every 4096 values (the tiny vector's shards have a short last chunk), results for 2 members
+    assert sparse_h10["codec"] == "sparse" and sparse_h10["bytes_ratio_vs_ddp"] < int8_h10["bytes_ratio_vs_ddp"] / 5
+    assert sparse_h10["final_eval_loss_per_seed"] != int8_h10["final_eval_loss_per_seed"]
     for overlapped, sync in ((delayed_h5, int8_h5), (eager_h5, int8_h5), (delayed_h10, int8_h10), (eager_h10, int8_h10)):
         assert overlapped["bytes_per_worker"] == sync["bytes_per_worker"]  # the same rounds, applied later
     # one round (H10): the drain applies it, so overlapped ends exactly where synchronous does; two rounds
@@ -76,7 +79,7 @@ def test_convergence_sweep_picks_the_best_ddp_and_runs_the_shipped_default(tmp_p
     assert result.returncode == 0, result.stderr[-4000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "results.json").read_text())}
     assert set(rows) == {"ddp", "ddp_lr0.0003", "ddp_lr0.004", "diloco_fp32_H20_lr0.0003", "diloco_fp32_H20_lr0.004",
-                         "diloco_int8_H20_lr0.0003", "diloco_int8_H20_lr0.004", "default"}
+                         "diloco_int8_H20_lr0.0003", "diloco_int8_H20_lr0.004", "sparse_H20", "default"}
     swept = [rows["ddp_lr0.0003"], rows["ddp_lr0.004"]]
     best = min(swept, key=lambda r: r["final_eval_loss_mean"])
     assert rows["ddp"]["picked"] == best["variant"] and rows["ddp"]["final_eval_loss_mean"] == best["final_eval_loss_mean"]

@@ -182,6 +182,13 @@ def test_round_bytes() -> None:
     assert diloco_round_bytes(n, 1, get_codec("int8")) == 0.0
     # audits: every part also goes to its shard's auditor, 1.5x the plain all-reduce
     assert diloco_round_bytes(n, 4, get_codec("int8"), audit=True) == 1.5 * diloco_round_bytes(n, 4, get_codec("int8"))
+    # sparse: parts of 4 + 3 x 64 bytes per 4096 values, results with room for 4 members' values
+    sparse = get_codec("sparse")
+    shard = n // 4  # 217,376 values: 53 whole chunks and one of 288
+    part, result = 53 * (4 + 3 * 64) + 4 + 3 * 64, 53 * (4 + 3 * 256) + 4 + 3 * 256
+    assert sparse.encoded_nbytes(shard) == part and sparse.for_results(4).encoded_nbytes(shard) == result
+    assert diloco_round_bytes(n, 4, sparse, audit=True) == 3 * 4 * (2 * part + result) / 4
+    assert diloco_round_bytes(n, 4, get_codec("int8"), audit=True) / diloco_round_bytes(n, 4, sparse, audit=True) > 6
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -198,7 +205,13 @@ def test_config_defaults_and_validation() -> None:
     quick = build_config(_args(quick=True))
     assert (quick.workers, len(quick.seeds), quick.hs) == (2, 2, (5, 10)) and quick.steps % 10 == 0
     assert [v.name for v in quick.variants()] == ["ddp", "diloco_fp32_H5", "diloco_int8_H5", "diloco_fp32_H10",
-                                                  "diloco_int8_H10", "default"]
+                                                  "diloco_int8_H10", "sparse_H10", "default"]
+    sparse = quick.variants()[-2]
+    assert (sparse.h, sparse.codec, sparse.shipped) == (10, "sparse", False)
+    assert build_config(_args(quick=True, no_sparse=True)).sparse_hs == ()
+    assert build_config(_args(quick=True, sparse_H=(5, 10))).sparse_hs == (5, 10)
+    with pytest.raises(SystemExit, match="--sparse-H"):
+        build_config(_args(quick=True, steps=40, sparse_H=(15,)))
     default = quick.variants()[-1]
     assert (default.h, default.codec, default.shipped) == (20, "int8", True)  # the tiny preset's H, the spec's codec
     swept = build_config(_args(quick=True, H=(10,), inner_lrs=(1e-3, 2e-3), outer_lrs=(0.7,), outer_momenta=(0.8, 0.9),
@@ -206,8 +219,9 @@ def test_config_defaults_and_validation() -> None:
     assert [v.name for v in swept.variants()] == [
         "ddp_lr0.001", "ddp_lr0.002", "diloco_fp32_H10_lr0.001_om0.8", "diloco_fp32_H10_lr0.001_om0.9",
         "diloco_fp32_H10_lr0.002_om0.8", "diloco_fp32_H10_lr0.002_om0.9", "diloco_int8_H10_lr0.001_om0.8",
-        "diloco_int8_H10_lr0.001_om0.9", "diloco_int8_H10_lr0.002_om0.8", "diloco_int8_H10_lr0.002_om0.9"]
-    spec = swept.spec(3, swept.variants()[-1])
+        "diloco_int8_H10_lr0.001_om0.9", "diloco_int8_H10_lr0.002_om0.8", "diloco_int8_H10_lr0.002_om0.9", "sparse_H10"]
+    assert (swept.variants()[-1].inner_lr, swept.variants()[-1].outer_lr) == (None, 0.7)  # one value: it is used
+    spec = swept.spec(3, swept.variants()[-2])
     assert (spec.inner_lr, spec.outer_lr, spec.outer_momentum, spec.sync_every, spec.init_seed) == (2e-3, 0.7, 0.9, 10, 3)
     with pytest.raises(SystemExit, match="preset's H 20"):
         build_config(_args(H=(10,), steps=30))  # the variant 'default' runs H 20
