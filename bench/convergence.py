@@ -302,6 +302,7 @@ class BenchConfig:
     schedule: str = "constant"  # or "cosine" to a tenth at the last step, ddp and DiLoCo alike
     default: bool = True  # add the variant ``default``: the run spec's defaults and the preset's H, int8
     sparse_hs: tuple[int, ...] = ()  # add ``sparse_H<H>`` for these H (the bench's settings, compression sparse)
+    nesterov: bool = True  # the outer step's momentum: Nesterov (the run spec's default) or heavy-ball
 
     @property
     def tokens_per_step(self) -> int:
@@ -339,7 +340,8 @@ class BenchConfig:
     def spec(self, seed: int, v: Variant) -> RunSpec:
         knobs: dict[str, Any] = {} if v.shipped else dict(
             aggregation=self.aggregation, overlap=v.overlap, inner_lr=v.inner_lr, outer_lr=v.outer_lr,
-            outer_momentum=v.outer_momentum, inner_warmup=self.warmup, inner_schedule=self.schedule,
+            outer_momentum=v.outer_momentum, outer_nesterov=self.nesterov, inner_warmup=self.warmup,
+            inner_schedule=self.schedule,
             inner_total_steps=self.steps if self.schedule == "cosine" else 0)
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=v.h or 1,
                                    batch_size=self.batch_size, seq_len=self.seq_len, **knobs)
@@ -412,6 +414,7 @@ def summarize(cfg: BenchConfig, v: Variant, runs: Sequence[SeedRun]) -> dict[str
         "parameters": numel, "seeds": list(cfg.seeds),
         "inner_lr": spec.inner_lr, "inner_warmup": spec.inner_warmup, "inner_schedule": spec.inner_schedule,
         "outer_lr": None if h is None else spec.outer_lr, "outer_momentum": None if h is None else spec.outer_momentum,
+        "outer_nesterov": None if h is None else spec.outer_nesterov,
         "aggregation": None if h is None else spec.aggregation, "audit": None if h is None else spec.audit,
         "overlap": None if h is None else spec.overlap,
         "final_eval_loss_mean": statistics.fmean(finals), "final_eval_loss_std": _std(finals),
@@ -651,7 +654,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
         only=only, inner_lrs=getattr(args, "inner_lrs", None) or (), outer_lrs=getattr(args, "outer_lrs", None) or (),
         outer_momenta=getattr(args, "outer_momenta", None) or (), warmup=warmup, schedule=schedule, default=default,
-        sparse_hs=sparse_hs,
+        sparse_hs=sparse_hs, nesterov=not getattr(args, "no_nesterov", False),
     )
 
 
@@ -692,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sparse-H", type=_parse_hs,
                     help="comma-separated H of the sparse_H<H> rows (compression sparse; default: the largest --H)")
     ap.add_argument("--no-sparse", action="store_true", help="leave out the sparse_H<H> rows")
+    ap.add_argument("--no-nesterov", action="store_true",
+                    help="heavy-ball outer momentum instead of Nesterov (the run spec's outer_nesterov false)")
     ap.add_argument("--no-default", action="store_true",
                     help="leave out the variant 'default' (the run spec's defaults with the preset's H)")
     args = ap.parse_args(argv)

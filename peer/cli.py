@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
     spec.add_argument("--outer-momentum", type=float,
                       help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9)")
+    spec.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
+                      help="Nesterov momentum in the outer step (default on; --no-outer-nesterov: heavy-ball)")
     spec.add_argument("--compression", choices=["int8", "fp32", "sparse"],
                       help="how pseudo-gradients travel: int8 (4x fewer bytes), fp32, or sparse (the largest 64 "
                            "of every 4096 values as int8, the rest carried to later rounds: ~20x fewer bytes "
@@ -222,7 +224,7 @@ def _stop_on_sigterm() -> None:
 
 
 SPEC_FLAGS = ("sync_every", "inner_lr", "inner_warmup", "inner_schedule", "inner_total_steps", "outer_lr",
-              "outer_momentum", "compression", "target_group_size",
+              "outer_momentum", "outer_nesterov", "compression", "target_group_size",
               "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
               "error_feedback", "audit", "max_per_prefix", "overlap", "eval_every", "piece_values")
 

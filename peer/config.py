@@ -25,7 +25,7 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
-SPEC_VERSION = 7  # 7: compression "sparse"; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 7  # 7: compression "sparse", outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -157,6 +157,7 @@ class RunSpec:
     sync_every: int = 20  # H: inner steps per round
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_nesterov: bool = True  # Nesterov momentum (DiLoCo's); false: heavy-ball
     compression: str = "int8"
     chunk_size: int = 65536
     target_group_size: int = 8
@@ -218,6 +219,8 @@ class RunSpec:
         _check_int("spec", "sync_every", self.sync_every, 1, 100_000)
         _check_range("spec", "outer_lr", self.outer_lr, 0.0, 10.0)
         _check_range("spec", "outer_momentum", self.outer_momentum, 0.0, 0.999)
+        if not isinstance(self.outer_nesterov, bool):
+            raise ConfigError("spec.outer_nesterov must be true or false")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {_short(self.compression)}")
         _check_int("spec", "chunk_size", self.chunk_size, 256, 1 << 24)

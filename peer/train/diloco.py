@@ -74,7 +74,7 @@ def pseudo_gradient(master: torch.Tensor, local: torch.Tensor, out: torch.Tensor
 
 @torch.no_grad()
 def nesterov_outer_step(
-    master: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float
+    master: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float, nesterov: bool = True
 ) -> None:
     """One outer Nesterov SGD step on the master copy, in place, with the averaged pseudo-gradient.
 
@@ -82,11 +82,12 @@ def nesterov_outer_step(
     (dampening 0, no weight decay), written out so every peer runs exactly the same elementwise ops:
         m  <- mu * m + delta
         theta <- theta - lr * (delta + mu * m)
+    ``nesterov=False``: heavy-ball momentum (``SGD(momentum=mu)``), theta <- theta - lr * m.
     """
     # Separate multiply and add kernels, never a fused multiply-add: torch's AVX2/AVX-512 paths fuse
     # ``add(alpha=...)`` and the plain path does not, and peers on different CPUs must agree bitwise.
     momentum.mul_(mu).add_(delta)
-    update = momentum.mul(mu).add_(delta)  # delta + mu * m
+    update = momentum.mul(mu).add_(delta) if nesterov else momentum.clone()  # delta + mu * m, or m
     master.sub_(update.mul_(lr))
 
 
@@ -118,11 +119,11 @@ class OuterState:
     Owned and mutated only by the training thread.
     """
 
-    def __init__(self, model: nn.Module, lr: float, momentum: float):
+    def __init__(self, model: nn.Module, lr: float, momentum: float, nesterov: bool = True):
         params = list(model.parameters())
         n = flat_numel(params)
         gpu = any(p.is_cuda for p in params)
-        self.lr, self.mu = lr, momentum
+        self.lr, self.mu, self.nesterov = lr, momentum, nesterov
         self.round = 0
         self.master = copy_params_to_flat(params, pinned(n, gpu))  # (n,) fp32, CPU
         self.momentum = torch.zeros(n, dtype=torch.float32)  # (n,) fp32, CPU
@@ -172,7 +173,7 @@ class OuterState:
         average still in flight."""
         momentum = self.momentum.clone()
         out.copy_(self.master)
-        nesterov_outer_step(out, momentum, delta, self.lr, self.mu)
+        nesterov_outer_step(out, momentum, delta, self.lr, self.mu, self.nesterov)
         return out
 
     def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = (),
@@ -189,7 +190,7 @@ class OuterState:
             raise ValueError("link must be 64 lowercase hex characters")
         parent = self.hash()
         kept = [(s, e, self.master[s:e].clone(), self.momentum[s:e].clone()) for s, e in keep]
-        nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu)
+        nesterov_outer_step(self.master, self.momentum, averaged, self.lr, self.mu, self.nesterov)
         for s, e, master, momentum in kept:
             self.master[s:e] = master
             self.momentum[s:e] = momentum

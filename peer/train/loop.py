@@ -130,7 +130,7 @@ class Trainer:
                 cast(Llama, self.model).checkpointing = True
         # the module the inner steps call: compiled on request (same parameters; evaluation stays eager)
         self.step_model: Callable[..., Any] = torch.compile(self.model) if compile else self.model
-        self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum)
+        self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum, spec.outer_nesterov)
         self.inner_opt = torch.optim.AdamW(  # fused into one kernel per step on a GPU
             self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95),
             fused=self.device.type == "cuda")

@@ -72,6 +72,7 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     ("batch_size", dict(batch_size=0)),
     ("outer_momentum", dict(outer_momentum=1.0)),
     ("outer_lr", dict(outer_lr=float("nan"))),
+    ("outer_nesterov", dict(outer_nesterov=1)),
     ("inner_lr", dict(inner_lr=True)),
     ("matchmaking_timeout", dict(matchmaking_timeout=float("inf"))),
     ("chunk_size", dict(chunk_size=100)),
