@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hivetrain.kernels.int8 import Codec, get_codec
+from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging.api import AverageResult, Finished, shard_bounds
 from hivetrain.peer.averaging.simulation import LocalSwarm
 from hivetrain.peer.config import PRESETS, RunSpec
@@ -165,6 +165,8 @@ class DilocoSim:
 
     def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int, codec: Codec):
         spec = dataclasses.replace(spec, compression=codec.name, target_group_size=workers)
+        if spec.codec() != codec:
+            raise ValueError(f"the codec {codec} is not the run spec's {spec.codec()}")
         self.overlap = spec.overlap
         self.inflight: list[torch.Tensor] | None = None  # overlapped: the deltas whose average is applied next round
         self.trainers = [make_trainer(spec, corpus, f"worker{i}") for i in range(workers)]
@@ -303,6 +305,7 @@ class BenchConfig:
     default: bool = True  # add the variant ``default``: the run spec's defaults and the preset's H, int8
     sparse_hs: tuple[int, ...] = ()  # add ``sparse_H<H>`` for these H (the bench's settings, compression sparse)
     nesterov: bool = True  # the outer step's momentum: Nesterov (the run spec's default) or heavy-ball
+    sparse_k: int = 64  # sparse rows: values kept of every 4096 (the run spec's sparse_k)
 
     @property
     def tokens_per_step(self) -> int:
@@ -340,7 +343,8 @@ class BenchConfig:
     def spec(self, seed: int, v: Variant) -> RunSpec:
         knobs: dict[str, Any] = {} if v.shipped else dict(
             aggregation=self.aggregation, overlap=v.overlap, inner_lr=v.inner_lr, outer_lr=v.outer_lr,
-            outer_momentum=v.outer_momentum, outer_nesterov=self.nesterov, inner_warmup=self.warmup,
+            outer_momentum=v.outer_momentum, outer_nesterov=self.nesterov, sparse_k=self.sparse_k,
+            inner_warmup=self.warmup,
             inner_schedule=self.schedule,
             inner_total_steps=self.steps if self.schedule == "cosine" else 0)
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=v.h or 1,
@@ -376,7 +380,7 @@ def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed
     one is applied (drained) before the final evaluation, so every variant ends with all its tokens."""
     assert v.h is not None and v.codec is not None
     spec = cfg.spec(seed, v)
-    sim = DilocoSim(spec, corpus, cfg.workers, seed, get_codec(v.codec))
+    sim = DilocoSim(spec, corpus, cfg.workers, seed, dataclasses.replace(spec, compression=v.codec).codec())
     rounds = cfg.steps // v.h
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
@@ -407,7 +411,8 @@ def summarize(cfg: BenchConfig, v: Variant, runs: Sequence[SeedRun]) -> dict[str
         bytes_per_worker = float(cfg.steps * ring_allreduce_bytes(numel, cfg.workers))
     else:
         assert h is not None
-        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, get_codec(codec), spec.audit)
+        wire = dataclasses.replace(spec, compression=codec).codec()
+        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, wire, spec.audit)
     return {
         "variant": v.name, "H": h, "codec": codec, "workers": cfg.workers, "steps": cfg.steps,
         "rounds": None if h is None else cfg.steps // h, "tokens": cfg.steps * cfg.tokens_per_step,
@@ -415,6 +420,7 @@ def summarize(cfg: BenchConfig, v: Variant, runs: Sequence[SeedRun]) -> dict[str
         "inner_lr": spec.inner_lr, "inner_warmup": spec.inner_warmup, "inner_schedule": spec.inner_schedule,
         "outer_lr": None if h is None else spec.outer_lr, "outer_momentum": None if h is None else spec.outer_momentum,
         "outer_nesterov": None if h is None else spec.outer_nesterov,
+        "sparse_k": spec.sparse_k if codec == "sparse" else None,
         "aggregation": None if h is None else spec.aggregation, "audit": None if h is None else spec.audit,
         "overlap": None if h is None else spec.overlap,
         "final_eval_loss_mean": statistics.fmean(finals), "final_eval_loss_std": _std(finals),
@@ -637,6 +643,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     sparse_hs: tuple[int, ...] = () if getattr(args, "no_sparse", False) else (getattr(args, "sparse_H", None) or hs[-1:])
     if only:
         sparse_hs = tuple(h for h in sparse_hs if f"sparse_H{h}" in only)
+    if not 1 <= getattr(args, "sparse_k", 64) <= 1024:
+        raise SystemExit(f"--sparse-k must be in [1, 1024], got {args.sparse_k}")
     if any(steps % h for h in sparse_hs):
         raise SystemExit(f"--steps {steps} must be a multiple of every --sparse-H {list(sparse_hs)}")
     default = not getattr(args, "no_default", False) and (not only or "default" in only)
@@ -654,7 +662,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
         only=only, inner_lrs=getattr(args, "inner_lrs", None) or (), outer_lrs=getattr(args, "outer_lrs", None) or (),
         outer_momenta=getattr(args, "outer_momenta", None) or (), warmup=warmup, schedule=schedule, default=default,
-        sparse_hs=sparse_hs, nesterov=not getattr(args, "no_nesterov", False),
+        sparse_hs=sparse_hs, nesterov=not getattr(args, "no_nesterov", False), sparse_k=getattr(args, "sparse_k", 64),
     )
 
 
@@ -695,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sparse-H", type=_parse_hs,
                     help="comma-separated H of the sparse_H<H> rows (compression sparse; default: the largest --H)")
     ap.add_argument("--no-sparse", action="store_true", help="leave out the sparse_H<H> rows")
+    ap.add_argument("--sparse-k", type=int, default=64, help="sparse rows: values sent of every 4096 (default 64)")
     ap.add_argument("--no-nesterov", action="store_true",
                     help="heavy-ball outer momentum instead of Nesterov (the run spec's outer_nesterov false)")
     ap.add_argument("--no-default", action="store_true",

@@ -20,7 +20,6 @@ from hivetrain.dht.errors import DHTError
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
 from hivetrain.kernels.error_feedback import ErrorFeedback
-from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer import reach
 from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import Behaviour
@@ -204,7 +203,7 @@ def fits(spec: RunSpec, options: PeerOptions) -> str:
 def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Trust,
                    behaviour: Behaviour) -> P2PAverager:
     """The averaging protocol over this peer's libp2p daemon, on the DHT's loop."""
-    codec = get_codec(spec.compression, spec.chunk_size)
+    codec = spec.codec()
     ef = ErrorFeedback(numel) if spec.carries_residual else None
     ctx = PeerContext(spec, numel, codec, LibP2PLink(dht.p2p), dht.identity, trust, Bans(), behaviour, ef)
     return P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()

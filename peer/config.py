@@ -12,11 +12,14 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from hivetrain.peer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hivetrain.kernels.int8 import Codec
 
 HF_ARCHS = ("llama", "mistral", "qwen2")  # transformers model types a run may train (Llama family, no remote code)
 MAX_HF_CONFIG = 16384  # characters of a run spec's architecture JSON
@@ -25,7 +28,7 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
-SPEC_VERSION = 7  # 7: compression "sparse", outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 7  # 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -159,7 +162,8 @@ class RunSpec:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True  # Nesterov momentum (DiLoCo's); false: heavy-ball
     compression: str = "int8"
-    chunk_size: int = 65536
+    chunk_size: int = 65536  # int8's values per scale and offset
+    sparse_k: int = 64  # sparse: values kept of every 4096 (kernels/sparse.py)
     target_group_size: int = 8
     min_group_size: int = 1
     # seconds a ready peer waits, at most, for peers that announced this round and are still computing
@@ -187,6 +191,15 @@ class RunSpec:
     tokenizer: str = "bytes"  # "bytes" (token = UTF-8 byte) or "sha256:<hex>" of the tokenizer's JSON
     pretrained: str = ""
     version: int = SPEC_VERSION
+
+    def codec(self) -> Codec:
+        """The wire codec of the members' parts (kernels/int8.py; reducers encode with ``for_results``)."""
+        from hivetrain.kernels.int8 import get_codec
+        from hivetrain.kernels.sparse import SPARSE_CHUNK
+
+        if self.compression == "sparse":
+            return get_codec("sparse", SPARSE_CHUNK, self.sparse_k)
+        return get_codec(self.compression, self.chunk_size)
 
     @property
     def carries_residual(self) -> bool:
@@ -224,6 +237,7 @@ class RunSpec:
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {_short(self.compression)}")
         _check_int("spec", "chunk_size", self.chunk_size, 256, 1 << 24)
+        _check_int("spec", "sparse_k", self.sparse_k, 1, 1024)
         _check_int("spec", "target_group_size", self.target_group_size, 1, 64)
         _check_int("spec", "min_group_size", self.min_group_size, 1, self.target_group_size)
         _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)

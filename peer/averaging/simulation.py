@@ -19,7 +19,6 @@ import torch
 
 from hivetrain.dht.identity import Identity
 from hivetrain.kernels.error_feedback import ErrorFeedback
-from hivetrain.kernels.int8 import get_codec
 from hivetrain.peer.averaging.api import AverageResult
 from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
@@ -80,7 +79,7 @@ class LocalSwarm:
         if nat:
             self.net.behind_nat.add(identity.peer_id)
         ef = ErrorFeedback(self.numel) if self.spec.carries_residual else None
-        ctx = PeerContext(self.spec, self.numel, get_codec(self.spec.compression, self.spec.chunk_size), link,
+        ctx = PeerContext(self.spec, self.numel, self.spec.codec(), link,
                           identity, Trust(), Bans(), behaviour, ef, closed=nat)
         self.peers.append(P2PAverager(ctx, self.board, self.loop).start())
         return len(self.peers) - 1

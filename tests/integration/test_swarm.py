@@ -91,8 +91,10 @@ def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
     assert all(r["group_size"] == 2 for r in a + b)
 
 
-def test_error_feedback_run_stays_bit_identical(swarm) -> None:
-    owner = swarm("owner", "--new-run", "ef", "--sync-every", "3", "--until-round", "3", "--error-feedback",
+@pytest.mark.parametrize("codec", [["--error-feedback"], ["--compression", "sparse"]], ids=["int8-ef", "sparse"])
+def test_error_feedback_run_stays_bit_identical(swarm, codec: list[str]) -> None:
+    """int8 with its optional error feedback, and sparse (always with it), between real processes."""
+    owner = swarm("owner", "--new-run", "ef", "--sync-every", "3", "--until-round", "3", *codec,
                   "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],

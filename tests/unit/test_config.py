@@ -76,6 +76,8 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     ("inner_lr", dict(inner_lr=True)),
     ("matchmaking_timeout", dict(matchmaking_timeout=float("inf"))),
     ("chunk_size", dict(chunk_size=100)),
+    ("sparse_k", dict(sparse_k=0)),
+    ("sparse_k", dict(sparse_k=4096)),
     ("dataset", dict(dataset="files:xyz")),
     ("version", dict(version=1)),  # an older client's spec
     ("init_seed", dict(init_seed=-1)),

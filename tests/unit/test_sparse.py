@@ -171,3 +171,13 @@ def test_a_sparse_shard_is_audited_like_an_int8_one(how: str) -> None:
     extra[spare] = step[spare] * 40
     finding = audit_shard(result_codec.encode(extra), shard.digests, inputs)
     assert finding is not None and finding.kind is FindingKind.WRONG_AGGREGATE, finding
+
+
+def test_the_run_spec_names_the_codec_and_whether_peers_keep_a_residual() -> None:
+    from hivetrain.peer.config import RunSpec
+
+    spec = RunSpec("r", compression="sparse", sparse_k=128)
+    assert spec.codec() == Codec("sparse", CHUNK, 128) and spec.carries_residual
+    assert RunSpec("r").codec() == get_codec("int8", 65536) and not RunSpec("r").carries_residual
+    assert RunSpec("r", error_feedback=True).carries_residual
+    assert not RunSpec("r", compression="fp32", error_feedback=True).carries_residual
