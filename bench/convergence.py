@@ -348,7 +348,7 @@ class BenchConfig:
             inner_schedule=self.schedule,
             inner_total_steps=self.steps if self.schedule == "cosine" else 0)
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=v.h or 1,
-                                   batch_size=self.batch_size, seq_len=self.seq_len, **knobs)
+                                   batch_size=self.batch_size, seq_len=self.seq_len, compression=v.codec, **knobs)
 
 
 @dataclass

@@ -73,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "--inner-total-steps (default constant)")
     spec.add_argument("--inner-total-steps", type=int,
                       help="the run's inner step where a cosine schedule ends: rounds x H (default 0: none)")
-    spec.add_argument("--outer-lr", type=float, help="learning rate of the outer Nesterov step (default 0.7)")
+    spec.add_argument("--outer-lr", type=float,
+                      help="learning rate of the outer Nesterov step (default 0.7; 2.0 with --compression sparse)")
     spec.add_argument("--outer-momentum", type=float,
-                      help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9)")
+                      help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9; "
+                           "0 with --compression sparse)")
     spec.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
                       help="Nesterov momentum in the outer step (default on; --no-outer-nesterov: heavy-ball)")
     spec.add_argument("--compression", choices=["int8", "fp32", "sparse"],

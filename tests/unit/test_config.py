@@ -48,6 +48,9 @@ def test_tiny_preset_builds_a_model() -> None:
 def test_from_preset_overrides_and_unknown_preset() -> None:
     spec = RunSpec.from_preset("r1", "tiny", sync_every=5, compression="fp32", outer_lr=None)
     assert spec.sync_every == 5 and spec.compression == "fp32" and spec.outer_lr == 0.7
+    sparse = RunSpec.from_preset("r1", "tiny", compression="sparse", outer_lr=None)  # its own outer step
+    assert (sparse.outer_lr, sparse.outer_momentum) == (2.0, 0.0)
+    assert RunSpec.from_preset("r1", "tiny", compression="sparse", outer_momentum=0.5).outer_momentum == 0.5
     with pytest.raises(ConfigError, match="huge"):
         RunSpec.from_preset("r1", "huge")
     with pytest.raises(ConfigError, match="sync_every"):
