@@ -323,21 +323,24 @@ class Codec:
         return Codec("int8", CHUNK_SIZE)
 
 
-def get_codec(name: str, chunk_size: int = CHUNK_SIZE, k: int = 0) -> Codec:
-    """The codec called ``name``; CodecError for any other name (there is no silent fallback).
+def get_codec(name: str, chunk_size: int | None = None, k: int | None = None) -> Codec:
+    """The codec called ``name``; CodecError for any other name or a bad size (there is no silent fallback).
 
-    ``sparse`` takes its own chunk and ``k`` (kernels/sparse.py's defaults when ``k`` is 0): the run
-    spec's ``chunk_size`` is int8's."""
+    ``chunk_size``: values per scale (default: int8's CHUNK_SIZE, sparse's SPARSE_CHUNK); ``k``: values
+    kept per chunk, sparse only (default SPARSE_K)."""
     if name not in ("int8", "fp32", "sparse"):
         raise CodecError(f"unknown codec {name!r}; expected 'int8', 'fp32' or 'sparse'")
     if name == "sparse":
-        if not k:
-            chunk_size, k = _sparse.SPARSE_CHUNK, _sparse.SPARSE_K
+        chunk_size = _sparse.SPARSE_CHUNK if chunk_size is None else chunk_size
+        k = _sparse.SPARSE_K if k is None else k
         try:
             _sparse.check_params(chunk_size, k)
         except ValueError as e:
             raise CodecError(str(e)) from None
         return Codec(name, chunk_size, k)
+    if k:
+        raise CodecError(f"k is for the sparse codec, not {name}")
+    chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
     _check_chunk_size(chunk_size)
     return Codec(name, chunk_size)
 

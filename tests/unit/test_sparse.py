@@ -103,9 +103,12 @@ def test_encode_refuses_what_is_not_a_finite_fp32_vector() -> None:
               torch.zeros(3, dtype=torch.float64)):
         with pytest.raises(ValueError):
             CODEC.encode(x)
-    for chunk, k in ((0, 1), (1 << 17, 1), (8, 9), (8, -1)):
+    for chunk, k in ((0, 1), (1 << 17, 1), (8, 9), (8, -1), (8, 0)):
         with pytest.raises(CodecError):
             get_codec("sparse", chunk, k)
+    with pytest.raises(CodecError, match="sparse"):
+        get_codec("int8", 1024, 64)
+    assert get_codec("sparse", k=128) == Codec("sparse", CHUNK, 128) and get_codec("sparse", 1024).k == K
 
 
 def test_results_have_room_for_every_part_else_are_dense_int8() -> None:
