@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Coroutine
@@ -208,10 +209,11 @@ class P2PAverager:
 
     # ---- the Service the link serves (on the loop) ----------------------------------------------
 
-    @property
+    @functools.cached_property
     def max_body(self) -> int:
-        """The largest body any message can have: one whole encoded vector (a group of one), or the
-        statements of a round's MAX_PIECES shards."""
+        """The largest body any message can have: one whole encoded vector (a part, or a result for
+        any group size: sparse results grow with the group), or the statements of a round's MAX_PIECES
+        shards."""
         codec, numel = self.ctx.codec, self.ctx.numel
         results = max(codec.for_results(n).encoded_nbytes(numel) for n in range(1, MAX_GROUP + 1))
         return max(codec.encoded_nbytes(numel), results, MAX_PIECES * STATEMENT_LEN)
