@@ -9,7 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from hivetrain.peer.config import PRESETS, ModelConfig, PeerOptions, RunSpec
+from hivetrain.peer.config import PRESETS, ModelConfig, PeerOptions, RunSpec, outer_defaults
 from hivetrain.peer.errors import ConfigError
 from hivetrain.peer.faults import ACTIONS, POINTS, FaultPlan
 from hivetrain.peer.train.model import build_model, count_parameters
@@ -51,8 +51,7 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     sparse = RunSpec.from_preset("r1", "tiny", compression="sparse", outer_lr=None)  # its own outer step
     assert (sparse.outer_lr, sparse.outer_momentum) == (2.0, 0.0)
     assert RunSpec.from_preset("r1", "tiny", compression="sparse", outer_momentum=0.5).outer_momentum == 0.5
-    from hivetrain.peer.config import outer_defaults  # also what a Hugging Face run's owner gets (peer/app.py)
-
+    # outer_defaults is also what a Hugging Face run's owner gets (peer/app.py)
     assert outer_defaults({"compression": "sparse", "outer_lr": None, "sync_every": 5}) == {
         "compression": "sparse", "outer_lr": 2.0, "outer_momentum": 0.0, "sync_every": 5}
     assert outer_defaults({"compression": "int8"}) == {"compression": "int8"}
