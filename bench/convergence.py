@@ -57,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.kernels.int8 import Codec
+from hivetrain.kernels.sparse import SPARSE_K
 from hivetrain.peer.app import HF_DEFAULTS
 from hivetrain.peer.averaging.api import AverageResult, Finished, shard_bounds
 from hivetrain.peer.averaging.simulation import LocalSwarm
@@ -204,10 +205,8 @@ class DdpSim:
 class DilocoSim:
     """N workers in one thread; ``spec.sync_every`` is H, ``spec.outer_lr`` / ``outer_momentum`` the outer step."""
 
-    def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int, codec: Codec):
-        spec = dataclasses.replace(spec, compression=codec.name, target_group_size=workers)
-        if spec.codec() != codec:
-            raise ValueError(f"the codec {codec} is not the run spec's {spec.codec()}")
+    def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int):
+        spec = dataclasses.replace(spec, target_group_size=workers)  # the codec is the spec's compression
         self.overlap = spec.overlap
         self.inflight: list[torch.Tensor] | None = None  # overlapped: the deltas whose average is applied next round
         self.trainers = [make_trainer(spec, corpus, f"worker{i}") for i in range(workers)]
@@ -346,7 +345,7 @@ class BenchConfig:
     default: bool = True  # add the variant ``default``: the run spec's defaults and the preset's H, int8
     sparse_hs: tuple[int, ...] = ()  # add ``sparse_H<H>`` for these H (the bench's settings, compression sparse)
     nesterov: bool = True  # the outer step's momentum: Nesterov (the run spec's default) or heavy-ball
-    sparse_k: int = 64  # sparse rows: values kept of every 4096 (the run spec's sparse_k)
+    sparse_k: int = SPARSE_K  # sparse rows: values kept of every 4096 (the run spec's sparse_k)
 
     @property
     def tokens_per_step(self) -> int:
@@ -385,9 +384,7 @@ class BenchConfig:
         knobs: dict[str, Any] = {} if v.shipped else dict(
             aggregation=self.aggregation, overlap=v.overlap, inner_lr=v.inner_lr, outer_lr=v.outer_lr,
             outer_momentum=v.outer_momentum, outer_nesterov=self.nesterov, sparse_k=self.sparse_k,
-            inner_warmup=self.warmup,
-            inner_schedule=self.schedule,
-            inner_total_steps=self.steps if self.schedule == "cosine" else 0)
+            inner_warmup=self.warmup, inner_schedule=self.schedule, inner_total_steps=self.steps if self.schedule == "cosine" else 0)
         if self.preset == SMOLLM2:
             return hf_spec(name="bench", init_seed=seed, sync_every=v.h or 1, batch_size=self.batch_size,
                            seq_len=self.seq_len, compression=v.codec, **knobs)
@@ -424,7 +421,7 @@ def run_diloco(cfg: BenchConfig, corpus: Corpus, eval_set: Sequence[Batch], seed
     one is applied (drained) before the final evaluation, so every variant ends with all its tokens."""
     assert v.h is not None and v.codec is not None
     spec = cfg.spec(seed, v)
-    sim = DilocoSim(spec, corpus, cfg.workers, seed, dataclasses.replace(spec, compression=v.codec).codec())
+    sim = DilocoSim(spec, corpus, cfg.workers, seed)
     rounds = cfg.steps // v.h
     t0 = time.perf_counter()
     losses = [evaluate(sim.model, eval_set, "cpu")]
@@ -455,8 +452,7 @@ def summarize(cfg: BenchConfig, v: Variant, runs: Sequence[SeedRun]) -> dict[str
         bytes_per_worker = float(cfg.steps * ring_allreduce_bytes(numel, cfg.workers))
     else:
         assert h is not None
-        wire = dataclasses.replace(spec, compression=codec).codec()
-        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, wire, spec.audit)
+        bytes_per_worker = (cfg.steps // h) * diloco_round_bytes(numel, cfg.workers, spec.codec(), spec.audit)
     return {
         "variant": v.name, "H": h, "codec": codec, "workers": cfg.workers, "steps": cfg.steps,
         "rounds": None if h is None else cfg.steps // h, "tokens": cfg.steps * cfg.tokens_per_step,
@@ -646,7 +642,6 @@ class Mode:
 
 FULL = Mode(workers=4, seeds=3, hs=(10, 25, 50), rounds_at_lcm=8, eval_batches=8, batch_size=None)
 QUICK = Mode(workers=2, seeds=2, hs=(5, 10), rounds_at_lcm=4, eval_batches=2, batch_size=4)
-# sparse_H<H> rows, unless --sparse-H or --no-sparse says otherwise: at the largest H of the mode
 
 
 def _parse_hs(text: str) -> tuple[int, ...]:
@@ -693,7 +688,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     sparse_hs: tuple[int, ...] = () if getattr(args, "no_sparse", False) else (getattr(args, "sparse_H", None) or hs[-1:])
     if only:
         sparse_hs = tuple(h for h in sparse_hs if f"sparse_H{h}" in only)
-    if not 1 <= getattr(args, "sparse_k", 64) <= 1024:
+    if not 1 <= getattr(args, "sparse_k", SPARSE_K) <= 1024:
         raise SystemExit(f"--sparse-k must be in [1, 1024], got {args.sparse_k}")
     if any(steps % h for h in sparse_hs):
         raise SystemExit(f"--steps {steps} must be a multiple of every --sparse-H {list(sparse_hs)}")
@@ -712,7 +707,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads, aggregation=args.aggregation, overlap=getattr(args, "overlap", False),
         only=only, inner_lrs=getattr(args, "inner_lrs", None) or (), outer_lrs=getattr(args, "outer_lrs", None) or (),
         outer_momenta=getattr(args, "outer_momenta", None) or (), warmup=warmup, schedule=schedule, default=default,
-        sparse_hs=sparse_hs, nesterov=not getattr(args, "no_nesterov", False), sparse_k=getattr(args, "sparse_k", 64),
+        sparse_hs=sparse_hs, nesterov=not getattr(args, "no_nesterov", False), sparse_k=getattr(args, "sparse_k", SPARSE_K),
     )
 
 
@@ -753,7 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sparse-H", type=_parse_hs,
                     help="comma-separated H of the sparse_H<H> rows (compression sparse; default: the largest --H)")
     ap.add_argument("--no-sparse", action="store_true", help="leave out the sparse_H<H> rows")
-    ap.add_argument("--sparse-k", type=int, default=64, help="sparse rows: values sent of every 4096 (default 64)")
+    ap.add_argument("--sparse-k", type=int, default=SPARSE_K,
+                    help=f"sparse rows: values sent of every 4096 (default {SPARSE_K})")
     ap.add_argument("--no-nesterov", action="store_true",
                     help="heavy-ball outer momentum instead of Nesterov (the run spec's outer_nesterov false)")
     ap.add_argument("--no-default", action="store_true",

@@ -318,7 +318,7 @@ class Codec:
         if self.name != "sparse":
             return self
         k = _sparse.result_k(self.k, members, self.chunk_size)
-        if 4 + 3 * k < self.chunk_size:
+        if _sparse.encoded_nbytes(self.chunk_size, self.chunk_size, k) < self.chunk_size:  # a chunk: below a byte a value
             return Codec("sparse", self.chunk_size, k)
         return Codec("int8", CHUNK_SIZE)
 

@@ -15,8 +15,8 @@ all-zero chunk) and ``code = round(x / scale)`` (round-half-to-even) in [-127, 1
 
 Decode: ``y[c * chunk_size + index] = float32(code) * scale``, zero elsewhere: one correctly rounded
 multiply, so every peer decodes the same bytes to bitwise-identical tensors. Encoding is deterministic
-too (a stable sort, IEEE division), so a reducer and its auditor re-encode the same fp32 vector to the
-same bytes.
+too (the k-th magnitude and an explicit tie rule, IEEE division), so a reducer and its auditor
+re-encode the same fp32 vector to the same bytes.
 
 A group's average of n such parts has up to n x k nonzeros per chunk: reducers encode it with
 :func:`result_k` (``n x k`` slots), so the average loses nothing to the result's sparsity; only its
@@ -63,7 +63,7 @@ def encoded_nbytes(numel: int, chunk_size: int = SPARSE_CHUNK, k: int = SPARSE_K
     """Exact byte length of a sparse payload: 4 bytes per chunk and 3 per kept value."""
     check_params(chunk_size, k)
     full, tail, k_tail = kept(numel, chunk_size, k)
-    values = full * min(k, chunk_size) + k_tail
+    values = full * k + k_tail
     return 4 * (full + (tail > 0)) + 3 * values
 
 
@@ -105,7 +105,7 @@ def encode(x: torch.Tensor, chunk_size: int = SPARSE_CHUNK, k: int = SPARSE_K) -
     full, tail, k_tail = kept(x.numel(), chunk_size, k)
     blocks = []  # (values (r, kc), indices (r, kc)) per block of chunks
     if full:
-        blocks.append(_select(x[: full * chunk_size].view(full, chunk_size), min(k, chunk_size)))
+        blocks.append(_select(x[: full * chunk_size].view(full, chunk_size), k))
     if tail:
         blocks.append(_select(x[full * chunk_size :].view(1, tail), k_tail))
     scales, codes, indices = [], [], []
@@ -140,9 +140,8 @@ def decode(payload: Payload, numel: int, chunk_size: int = SPARSE_CHUNK, k: int 
     if numel == 0:
         return out
     full, tail, k_tail = kept(numel, chunk_size, k)
-    kf = min(k, chunk_size)
     n = full + (tail > 0)
-    values = full * kf + k_tail
+    values = full * k + k_tail
     raw = bytearray(buf)  # torch.frombuffer wants a writable buffer
     scales = torch.frombuffer(raw, dtype=torch.float32, count=n, offset=0).clone()  # (n,)
     codes = torch.frombuffer(raw, dtype=torch.int8, count=values, offset=4 * n).to(torch.float32)  # (values,)
@@ -152,15 +151,15 @@ def decode(payload: Payload, numel: int, chunk_size: int = SPARSE_CHUNK, k: int 
         raise CodecError(f"sparse payload: bad scale in chunk {int(bad_scale.nonzero()[0, 0])} of {n}")
     if bool((codes == -128).any()):
         raise CodecError("sparse payload: code -128 (codes are in [-127, 127])")
-    rows = [(index[: full * kf].view(full, kf), chunk_size)] if full else []
+    rows = [(index[: full * k].view(full, k), chunk_size)] if full else []
     if tail:
-        rows.append((index[full * kf :].view(1, k_tail), tail))
+        rows.append((index[full * k :].view(1, k_tail), tail))
     for idx, width in rows:
         if bool((idx >= width).any()):
             raise CodecError(f"sparse payload: an index is outside its chunk of {width}")
         if idx.shape[1] > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             raise CodecError("sparse payload: a chunk's indices are not strictly increasing")
-    chunk_of = torch.cat([torch.arange(full).repeat_interleave(kf), torch.full((k_tail,), full)])  # (values,)
+    chunk_of = torch.cat([torch.arange(full).repeat_interleave(k), torch.full((k_tail,), full)])  # (values,)
     positions = chunk_of * chunk_size + index
     out[positions] = codes * scales[chunk_of]  # one fp32 multiply per value
     return out

@@ -219,8 +219,9 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
         path = active_path()  # builds the C kernel once (cached), or says why not
         say(f"int8 codec: {'compiled C kernel' if path == 'c' else f'pure-torch reference ({UNAVAILABLE_REASON})'}")
     if spec.compression == "sparse":
-        say(f"sparse codec: the {spec.sparse_k} largest of every 4096 values ({100 * spec.sparse_k / 4096:.2g} %) per "
-            "round, the rest carried into later rounds")
+        codec = spec.codec()
+        say(f"sparse codec: the {codec.k} largest of every {codec.chunk_size} values "
+            f"({100 * codec.k / codec.chunk_size:.2g} %) per round, the rest carried into later rounds")
     say(f"run key: {run_key}")
     for maddr in maddrs:
         say(f"address: {maddr}")

@@ -267,9 +267,10 @@ def chunk_errors(got: torch.Tensor, expected: torch.Tensor, expected_fp32: torch
     else:
         step = FP32_STEP * magnitude
     step = step + 2.0**-20 * magnitude + 1e-30  # a constant chunk (range 0) still has float slack
-    e = (rows(got) - rows(expected)) / step[:, None]  # (n_chunks, chunk) in steps (float64: no overflow)
+    g, r = rows(got), rows(expected)
+    e = (g - r) / step[:, None]  # (n_chunks, chunk) in steps (float64: no overflow)
     if codec.name == "sparse":  # the statistics are over the positions either side fills, not the zeros around
-        lengths = ((rows(got) != 0) | (rows(expected) != 0)).sum(dim=1).double().clamp_min(1.0)
+        lengths = ((g != 0) | (r != 0)).sum(dim=1).double().clamp_min(1.0)
     value = e.abs().amax(dim=1)  # (n_chunks,)
     allow = ALLOWED_FLIPS / lengths  # (n_chunks,)
     mean = e.sum(dim=1) / lengths

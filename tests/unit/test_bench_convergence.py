@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def _flat(model: nn.Module) -> Tensor:
 
 def test_diloco_h1_lr1_no_momentum_is_the_average_of_the_local_steps(corpus: Corpus) -> None:
     spec, workers, seed = _spec(outer_lr=1.0, outer_momentum=0.0, aggregation="mean"), 3, 5
-    sim = DilocoSim(spec, corpus, workers, seed, get_codec("fp32"))
+    sim = DilocoSim(dataclasses.replace(spec, compression="fp32"), corpus, workers, seed)
     # the reference: each worker's own model, AdamW (the peers' settings) and sampler; average after each step
     models = [build_model(TINY_CFG, spec.init_seed) for _ in range(workers)]
     opts = [torch.optim.AdamW(m.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay,
@@ -148,7 +149,7 @@ def test_diloco_h1_lr1_no_momentum_is_the_average_of_the_local_steps(corpus: Cor
 
 
 def test_diloco_int8_workers_stay_identical_and_learn(corpus: Corpus) -> None:
-    sim = DilocoSim(_spec(sync_every=3), corpus, 2, 0, get_codec("int8"))
+    sim = DilocoSim(_spec(sync_every=3, compression="int8"), corpus, 2, 0)
     before = _flat(sim.model)
     for _ in range(2):
         sim.run_round()  # raises if any worker's state differs from the others'
@@ -160,7 +161,7 @@ def test_diloco_int8_workers_stay_identical_and_learn(corpus: Corpus) -> None:
 
 def test_ddp_and_diloco_share_initialisation_and_data_order(corpus: Corpus) -> None:
     spec = _spec()
-    ddp, diloco = DdpSim(spec, corpus, 2, 7), DilocoSim(spec, corpus, 2, 7, get_codec("fp32"))
+    ddp, diloco = DdpSim(spec, corpus, 2, 7), DilocoSim(dataclasses.replace(spec, compression="fp32"), corpus, 2, 7)
     torch.testing.assert_close(_flat(ddp.model), _flat(diloco.model), rtol=0, atol=0)
     for sampler, trainer in zip(ddp.samplers, diloco.trainers, strict=True):
         for _ in range(3):
