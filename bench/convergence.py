@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,7 @@ from hivetrain.peer.averaging.simulation import LocalSwarm
 from hivetrain.peer.config import PRESETS, Preset, RunSpec, outer_defaults
 from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate, load_sotu
 from hivetrain.peer.train.diloco import copy_flat_to_params
+from hivetrain.peer.train.learner import LMLearner
 from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts, ring_allreduce_bytes
 from hivetrain.peer.train.schedule import set_inner_lr
 
@@ -181,13 +182,18 @@ def ddp_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequen
     return loss
 
 
+def lm(trainer: Trainer) -> LMLearner:
+    """The language-model learner of a trainer built on a corpus (``make_trainer``)."""
+    return cast(LMLearner, trainer.learner)
+
+
 class DdpSim:
     """The data-parallel baseline in one process. Model and AdamW come from a peer ``Trainer`` so that the
     initialisation and the optimizer settings are the peers' own."""
 
     def __init__(self, spec: RunSpec, corpus: Corpus, workers: int, seed: int):
         trainer = make_trainer(spec, corpus, "ddp")
-        self.spec, self.model, self.optimizer = spec, trainer.model, trainer.inner_opt
+        self.spec, self.model, self.optimizer = spec, trainer.model, lm(trainer).inner_opt
         self.numel = trainer.numel
         self.samplers = make_samplers(spec, corpus, workers, seed)
         self.steps = 0
@@ -212,7 +218,7 @@ class DilocoSim:
         self.trainers = [make_trainer(spec, corpus, f"worker{i}") for i in range(workers)]
         self.swarm = LocalSwarm(spec, self.trainers[0].numel, workers)
         for trainer, sampler in zip(self.trainers, make_samplers(spec, corpus, workers, seed), strict=True):
-            trainer.sampler = sampler  # the data order shared with the other variants
+            lm(trainer).sampler = sampler  # the data order shared with the other variants
         self.numel = self.trainers[0].numel
         self.starts = [t.outer.master.clone() for t in self.trainers]  # overlap: where each worker's inner steps start
         self._check_identical()

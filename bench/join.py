@@ -91,7 +91,7 @@ def _busy_seconds() -> float:
 
 def _patch_constants(piece_kib: int | None, per_donor: int | None) -> None:
     """What-if knobs: patch StateSync's piece size / pieces in flight in this process only (a donor lets
-    one requester have that many requests in flight)."""
+    one requester have that many requests in flight: ``_state_sync``)."""
     from hivetrain.peer.state import snapshot as state
     from hivetrain.peer.state import sync as state_sync
 
@@ -100,7 +100,20 @@ def _patch_constants(piece_kib: int | None, per_donor: int | None) -> None:
         state_sync.PIECE_SIZE = piece_kib * 1024
     if per_donor:
         state_sync.PER_DONOR = per_donor
-        state_sync.MAX_PER_REQUESTER = max(state_sync.MAX_PER_REQUESTER, per_donor)
+
+
+def _state_sync(dht: Any, run_key: str, numel: int, per_donor: int | None) -> Any:
+    """The real StateSync over the peer's libp2p link, with its StateService served."""
+    from hivetrain.peer.averaging.behaviour import HONEST
+    from hivetrain.peer.net.libp2p import LibP2PLink
+    from hivetrain.peer.state.serve import MAX_PER_REQUESTER, StateService
+    from hivetrain.peer.state.sync import StateSync
+
+    link = LibP2PLink(dht.p2p)
+    service = StateService(spec_hash_for(run_key), HONEST)
+    service.server.max_per_peer = max(MAX_PER_REQUESTER, per_donor or 0)
+    dht.run(link.serve(service.protocol, service.server), timeout=10)
+    return StateSync(dht, link, service, run_key, numel)
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -114,10 +127,8 @@ def run_donor(args: argparse.Namespace) -> int:
     import torch
 
     from hivetrain.dht.node import DHT, DHTOptions
-    from hivetrain.peer.faults import FaultPlan
     from hivetrain.peer.state.heartbeats import attestation_fields, publish_heartbeat
     from hivetrain.peer.state.snapshot import Snapshot
-    from hivetrain.peer.state.sync import StateSync
 
     torch.set_num_threads(1)
     _patch_constants(args.piece_kib, args.per_donor)
@@ -130,7 +141,7 @@ def run_donor(args: argparse.Namespace) -> int:
         momentum = torch.randn(args.numel, generator=gen) * 0.01
         snapshot = Snapshot.of(ROUND, master, momentum)
         del master, momentum
-        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, FaultPlan()).start()
+        sync = _state_sync(dht, args.run_key, args.numel, args.per_donor)
         sync.serve(snapshot)
 
         def heartbeat() -> None:  # signed by the DHT's identity: heartbeats are bound to the libp2p id
@@ -164,12 +175,11 @@ def run_donor(args: argparse.Namespace) -> int:
 
 def run_joiner(args: argparse.Namespace) -> int:
     from hivetrain.dht.node import DHT, DHTOptions
-    from hivetrain.peer.faults import FaultPlan
     from hivetrain.peer.state import sync as state_sync
     from hivetrain.peer.state.choose import Attested, Clock, Own, State
     from hivetrain.peer.state.heartbeats import read_heartbeats
     from hivetrain.peer.state.snapshot import ZERO, state_nbytes
-    from hivetrain.peer.state.sync import StateSync, StateSyncFailed
+    from hivetrain.peer.state.sync import StateSyncFailed
 
     _patch_constants(args.piece_kib, args.per_donor)
     donor_ids: list[str] = args.donor_ids.split(",")
@@ -191,7 +201,7 @@ def run_joiner(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"saw heartbeats of {len(seen & set(donor_ids))}/{len(donor_ids)} donors "
                                    f"within {HEARTBEAT_TIMEOUT:.0f} s")
             time.sleep(0.5)
-        sync = StateSync(dht, args.run_key, spec_hash_for(args.run_key), args.numel, FaultPlan()).start()
+        sync = _state_sync(dht, args.run_key, args.numel, args.per_donor)
         choice = sync.check(Own(dht.peer_id, State(0, ZERO, ZERO)), {}, Clock(0.2, 0.0))  # as a joiner
         target = choice.target
         if target is None or target.hash != args.expected_hash or not set(donor_ids) <= set(target.attesters):

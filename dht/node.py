@@ -17,14 +17,13 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from multiaddr import Multiaddr
 
-from . import hardening, store_guard
+from . import clock, hardening, store_guard
 from .diagnose import diagnose
 from .errors import AddressError, BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .identity import Identity, public_key_of
@@ -237,6 +236,11 @@ class DHT:
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()  # else its __del__ complains at exit, with a traceback a user would see
 
+    @property
+    def timeout(self) -> float:
+        """Seconds one DHT operation may take (``DHTOptions.timeout``)."""
+        return self.options.timeout
+
     # ---- calls from other threads ---------------------------------------------------------------
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -274,7 +278,7 @@ class DHT:
         found = await self._node.get(key, latest=latest)
         if found is None or not isinstance(found.value, dict):
             return []
-        now = time.time()
+        now = clock.wall()
         out = []
         for subkey, item in list(found.value.items())[:1024]:
             try:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from . import clock
 from .errors import InvalidRecord
 from .identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity, fingerprint, peer_id_of, verify
 
@@ -126,7 +126,7 @@ class Envelope:
             raise InvalidRecord("bad signature")
         if subkey != fingerprint(public_key):
             raise InvalidRecord("record subkey is not its signer's fingerprint")
-        now = time.time() if now is None else now
+        now = clock.wall() if now is None else now
         max_ttl = MAX_TTL_SPEC if kind == "spec" else MAX_TTL
         if expiration > now + max_ttl + CLOCK_SKEW:
             raise InvalidRecord(f"{kind} record expires more than {max_ttl:.0f} s ahead")

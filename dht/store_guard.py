@@ -26,12 +26,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import hardening
+from . import clock, hardening
 from .quota import EntryId, Holdings, Ledger, QuotaConfig, RateWindow, RejectionLog, Source, victims
 
 logger = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ class StoreGuard:
         for a key if any of its values was refused, not newer, invalid or evicted right away."""
         from hivemind.proto import dht_pb2
 
-        now = time.time()  # hivemind's get_dht_time
+        now = clock.wall()  # hivemind's get_dht_time
         source = context.remote_id.to_base58()
         self.counts["requests"] += 1
         self.ledger.prune(now)

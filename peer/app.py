@@ -19,29 +19,21 @@ import torch
 from hivetrain.dht.errors import DHTError
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.peer import reach
-from hivetrain.peer.averaging.averager import P2PAverager
-from hivetrain.peer.averaging.behaviour import Behaviour
-from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.ready import DHTReadyBoard
+from hivetrain.peer.assembly import Peer, Seams, serve_dialback
 from hivetrain.peer.config import PeerOptions, RunSpec, outer_defaults
 from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.export import save_spec, save_tokenizer
 from hivetrain.peer.faults import FaultPlan
-from hivetrain.peer.net import dialback
 from hivetrain.peer.net.libp2p import LibP2PLink
-from hivetrain.peer.runspec import HeartbeatPublisher, fetch_spec, new_run, republish
+from hivetrain.peer.runspec import fetch_spec, new_run, republish
 from hivetrain.peer.state import checkpoint
-from hivetrain.peer.state.heartbeats import attestation_fields
-from hivetrain.peer.state.sync import StateKeeper, StateSync
-from hivetrain.peer.status import heartbeat_ttl, read_status
+from hivetrain.peer.status import read_status
 from hivetrain.peer.train import hf, memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
-from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
-from hivetrain.peer.train.model import Llama, count_parameters
-from hivetrain.peer.trust import Bans, Trust
+from hivetrain.peer.train.learner import LMLearner
+from hivetrain.peer.train.loop import MetricsWriter
 
 Say = Callable[[str], None]
 
@@ -200,15 +192,6 @@ def fits(spec: RunSpec, options: PeerOptions) -> str:
     return p.describe(budget)
 
 
-def build_averager(dht: DHT, run_key: str, spec: RunSpec, numel: int, trust: Trust,
-                   behaviour: Behaviour) -> P2PAverager:
-    """The averaging protocol over this peer's libp2p daemon, on the DHT's loop."""
-    codec = spec.codec()
-    ef = ErrorFeedback(numel) if spec.carries_residual else None
-    ctx = PeerContext(spec, numel, codec, LibP2PLink(dht.p2p), dht.identity, trust, Bans(), behaviour, ef)
-    return P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
-
-
 def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | None) -> None:
     """Tells the user (and, for tests and the demo, an info file) how to join this run."""
     maddrs = dht.visible_maddrs()
@@ -249,8 +232,8 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         fits(RunSpec.from_preset(choice.new_run, choice.model_preset, **choice.overrides), options)
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     # listening before anything is published: a port in use is one line, not a run started for nothing
-    board = Dashboard(parse_bind(options.dashboard, options.dashboard_public), None,
-                      public=options.dashboard_public) if options.dashboard else None
+    dashboard = Dashboard(parse_bind(options.dashboard, options.dashboard_public), None,
+                          public=options.dashboard_public) if options.dashboard else None
     # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
     if options.ephemeral:
         identity, hosts = Identity.generate(), list(options.host_maddrs)
@@ -263,76 +246,49 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                          timeout=options.dht_timeout)).start()
     if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
         reach.remember(options.state_dir, hosts, dht.visible_maddrs())
-    reachability = reach.Reachability(dht, say, lambda verdict: None)
+    link = LibP2PLink(dht.p2p)
+    board: Dashboard | None = None
+    peer: Peer | None = None
     try:
-        reachability.serve()  # before anyone learns our address: a joiner may check with us at once
+        # before anyone learns our address: a joiner may check with us at once
+        dht.run(serve_dialback(link, behaviour), timeout=10)
         opened = open_run(dht, options, choice, say)
         run_key, spec, corpus = opened.run_key, opened.spec, opened.corpus
         if not spec.hf_config:
             say(fits(spec, options))
         announce(dht, run_key, spec, say, info_file)
-        if opened.model is not None:
-            numel = count_parameters(opened.model)
-        else:
-            with torch.device("meta"):  # the parameter count only: no memory, no initialisation
-                numel = count_parameters(Llama(spec.model))
-        trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
-        averager = build_averager(dht, run_key, spec, numel, trust, behaviour)
-        heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say)
-
-        def reached(verdict: dialback.Verdict) -> None:  # takes effect at the next round's matchmaking
-            averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
-            heartbeat.extra["reach"] = verdict.mode
-
-        reachability.on_change = reached
-        reachability.first_check()
-        reachability.start()
-        sync = StateSync(dht, run_key, spec.spec_hash().hex(), numel, behaviour).start()
+        learner = LMLearner(spec, dht.peer_id, corpus, opened.model, options.device, options.eval_batches,
+                            options.micro_batch, options.checkpointing, options.compile)
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
         os.makedirs(ckpt_dir, exist_ok=True)
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
         save_spec(ckpt_dir, run_key, spec)  # for `peer export`, which needs no network
         if opened.tokenizer is not None:
             save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
-        keeper = StateKeeper(sync, trust, ckpt_path, timeout=spec.allreduce_timeout * 5,
-                             min_round_s=spec.min_round_s, log=say)
-        keeper.announce = lambda round_, base: averager.announce(round_, base, None)
         metrics = MetricsWriter(options.metrics_file)
-        if board is not None:
+        peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say)), run_key, spec, metrics,
+                    say)
+        if dashboard is not None:
+            board = dashboard
             board.watcher = RunWatcher(lambda: read_status(dht, run_key, spec), warn=say)
             board.rounds = metrics.recent
             say(f"dashboard at {board.start().url}")
-        trainer = Trainer(TrainerParts(spec, dht.peer_id, corpus, averager, metrics, behaviour, keeper, trust,
-                                       opened.model),
-                          options.device, options.eval_batches, say, heartbeat, options.micro_batch,
-                          options.checkpointing, options.compile)
         if progress is not None:
-            trainer.progress = progress
+            peer.trainer.progress = progress
         try:
-            saved = checkpoint.read(ckpt_path, numel)
+            saved = checkpoint.read(ckpt_path, peer.trainer.numel)
         except StateMismatch as e:
             say(f"warning: ignoring the local checkpoint ({e})")
             saved = None
-        if saved is not None:
-            trainer.resume(saved)
-        if not trainer.held:  # no weights of the run's start: its state from its peers, before anything else
-            trainer.take_run_state()
-        if options.wait_for_peers > 1:
-            keeper.committed(trainer.outer.snapshot())  # served while we wait: a peer without the weights syncs it
-            heartbeat(**attestation_fields(trainer.outer.snapshot()), throughput=0.0, train_loss=None, eval_loss=None)
-            say(f"waiting for {options.wait_for_peers} peers (at most {wait_timeout:.0f} s)")
-            seen = keeper.wait_for_peers(options.wait_for_peers, wait_timeout)
-            averager.first_expected = set(sorted(keeper.present)[:64])  # start together: wait for them in round 0
-            if seen < options.wait_for_peers:
-                say(f"warning: only {seen} of {options.wait_for_peers} peers showed up; starting anyway")
         try:
-            return trainer.run(options.max_rounds, options.until_round)
+            return peer.run(saved, options.max_rounds, options.until_round, options.wait_for_peers, wait_timeout)
         finally:
             metrics.close()
     finally:
         if board is not None:
             board.stop()
-        reachability.stop()
+        if peer is not None:
+            peer.stop()
         _shutdown_with_deadline(dht)
 
 

@@ -20,7 +20,7 @@ class RoundFailed(PeerError):
 
     ``excluded`` names the members whose contributions were found invalid before the round failed;
     ``awaiting`` the members that may still complete the round without us, and ``awaiting_until``
-    (``time.monotonic()``) when they must have ended it: fork choice should see how it ended."""
+    (``clock.now()``) when they must have ended it: fork choice should see how it ended."""
 
     def __init__(self, message: str, excluded: dict[str, str] | None = None,
                  awaiting: tuple[str, ...] = (), awaiting_until: float = 0.0):

@@ -90,6 +90,11 @@ class FaultPlan(Behaviour):
             return parts
         return [attack_part(self.action, part, delta[a:b], codec) for part, (a, b) in zip(parts, bounds, strict=True)]
 
+    def served_piece(self, round_: int, index: int, body: bytes) -> bytes:
+        if self.action != "corrupt" or not self.active("serve_state", round_):
+            return body
+        return bytes(b ^ 0x5A for b in body[:64]) + body[64:]  # a poisoned donor
+
     def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int, codec: Codec) -> bytes:
         if self.action != "wrongsum" or not self.active("results", round_):
             return result

@@ -13,28 +13,29 @@ member (peer/averaging/views.py).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import ipaddress
 import json
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hivetrain.dht.diagnose import family, tcp_endpoint
 from hivetrain.dht.errors import BootstrapError
+from hivetrain.dht.facade import LoopRunner
 from hivetrain.peer.net.dialback import (
     ASK_TIMEOUT,
     DIRECT,
     OUTBOUND_ONLY,
     UNKNOWN,
-    DialBackService,
     Verdict,
     listen_ports,
 )
 from hivetrain.peer.net.dialback import check as dialback_check
+from hivetrain.peer.net.link import Link
 
 LISTEN_FILE = "listen.json"
 IDENTITY_FILE = "identity.key"
@@ -158,43 +159,48 @@ def describe(verdict: Verdict) -> str:
 
 class Reachability:
     """Finds out how others reach this peer (peer/net/dialback.py) and keeps it up to date: again
-    every RECHECK_UNKNOWN seconds while nobody could tell, every RECHECK seconds after. The
-    averager reads ``closed`` at the start of each round; heartbeats carry ``mode``."""
+    every RECHECK_UNKNOWN seconds while nobody could tell, every RECHECK seconds after, in a task
+    on the link's loop. The averager reads ``closed`` at the start of each round; heartbeats carry
+    ``mode``; ``on_change`` hears of every change."""
 
     RECHECK_UNKNOWN = 10.0
     RECHECK = 600.0
 
-    def __init__(self, dht: Any, say: Callable[[str], None], on_change: Callable[[Verdict], None]):
-        self.dht, self.say, self.on_change = dht, say, on_change
-        self.service = DialBackService()
+    def __init__(self, link: Link, runner: LoopRunner, say: Callable[[str], None],
+                 on_change: Callable[[Verdict], None]):
+        self.link, self.runner, self.say, self.on_change = link, runner, say, on_change
         self.verdict = Verdict(UNKNOWN, (), ())
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._watcher: Any = None
 
     @property
     def mode(self) -> str:
         return self.verdict.mode
 
-    def serve(self) -> None:
-        self.dht.run(self.service.serve(self.dht.p2p), timeout=10)
-
     def first_check(self, tries: int = 3, pause: float = 1.0) -> Verdict:
-        """The check at start-up: asked peers that did not answer (their handler may not be up
-        yet) are asked again, up to ``tries`` times; says the outcome either way."""
+        """The check at start-up (blocks the caller): asked peers that did not answer (their
+        service may not be up yet) are asked again, up to ``tries`` times; says the outcome either way."""
+        return self.runner.run(self._first(tries, pause), tries * (ASK_TIMEOUT + 5 + pause) + 5)
+
+    async def _first(self, tries: int, pause: float) -> Verdict:
         for attempt in range(tries):
-            verdict = self.check()
-            if verdict.mode != UNKNOWN or not verdict.asked or attempt + 1 == tries or self._stop.wait(pause):
+            verdict = await self.acheck()
+            if verdict.mode != UNKNOWN or not verdict.asked or attempt + 1 == tries:
                 break
+            await asyncio.sleep(pause)
         if verdict.mode == UNKNOWN:
             self.say(describe(verdict))
             self.on_change(verdict)
         return verdict
 
     def check(self) -> Verdict:
-        """One check now (blocks up to ASK_TIMEOUT and a little more); reports a change."""
+        """One check now (blocks the caller up to ASK_TIMEOUT and a little more); reports a change."""
+        return self.runner.run(self.acheck(), ASK_TIMEOUT + 10)
+
+    async def acheck(self) -> Verdict:
+        """``check`` on the link's loop."""
         try:
-            ports = listen_ports(self.dht.visible_maddrs())
-            verdict = self.dht.run(dialback_check(self.dht.p2p, ports), timeout=ASK_TIMEOUT + 5)
+            ports = listen_ports(await self.link.own_addrs())
+            verdict = await asyncio.wait_for(dialback_check(self.link, ports), ASK_TIMEOUT + 5)
         except Exception as e:  # a slow daemon: keep what we knew
             logger.info("reachability check failed: %r", e)
             return self.verdict
@@ -208,13 +214,14 @@ class Reachability:
         return verdict
 
     def start(self) -> Reachability:
-        self._thread = threading.Thread(target=self._watch, name="hivetrain-reach", daemon=True)
-        self._thread.start()
+        self._watcher = self.runner.submit(self._watch())
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(self.RECHECK_UNKNOWN if self.verdict.mode == UNKNOWN else self.RECHECK):
-            self.check()
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.RECHECK_UNKNOWN if self.verdict.mode == UNKNOWN else self.RECHECK)
+            await self.acheck()

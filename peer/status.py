@@ -32,15 +32,11 @@ from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
 from hivetrain.peer.errors import ConfigError, PeerError
 from hivetrain.peer.runspec import fetch_spec
+from hivetrain.peer.state.heartbeats import heartbeat_ttl
 
 TREND = 32  # held-out losses remembered across refreshes (--watch)
 MAX_ROWS = 40  # peers printed in the table (the JSON has them all: a DHT read holds at most 1024)
 CLEAR = "\x1b[H\x1b[J"  # cursor home, clear to the end: --watch refreshes in place on a terminal
-
-
-def heartbeat_ttl(spec: RunSpec) -> float:
-    """Seconds a heartbeat lives in the DHT: two rounds' worth of waiting, plus a minute."""
-    return 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
 
 
 @dataclass(frozen=True)

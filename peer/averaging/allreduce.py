@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hivetrain.dht import clock
 from hivetrain.kernels.errors import CodecError
 from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
@@ -98,7 +98,7 @@ class AllReduceRunner:
             # could not be reached. Then they are on their way already, and we follow at once.
             others = set(s.order) - {ctx.me}
             if not others or not others <= set(self.outbox.lost):
-                await asyncio.sleep(max(0.0, s.deadline - time.monotonic()))
+                await asyncio.sleep(max(0.0, s.deadline - clock.now()))
             raise RoundFailed(str(e), {**self.excluded, **e.excluded}) from None
         if ctx.ef is not None:
             ctx.ef.commit()
@@ -137,7 +137,7 @@ class AllReduceRunner:
             # a moment for our other deliveries to end too, so that ``run`` knows who is still with us
             # (a member lost once is not sent more: this is bounded by one answer or dial per member)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.outbox.flush(), max(0.0, min(LOST_SETTLE, s.deadline - time.monotonic())))
+                await asyncio.wait_for(self.outbox.flush(), max(0.0, min(LOST_SETTLE, s.deadline - clock.now())))
             self.outbox.stop()
             raise
         except BaseException:

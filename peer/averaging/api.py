@@ -25,7 +25,7 @@ class AverageResult:
     excluded: dict[str, str] = field(default_factory=dict)  # member -> why its part was left out (by reducers)
     void_ranges: tuple[tuple[int, int], ...] = ()  # [start, end) of shards voided by their audit: not applied
     # peers we saw this round that averaged without us (we went alone) and when they must be done
-    # (time.monotonic()): fork choice at the next boundary should see where they ended (RoundFailed too)
+    # (clock.now()): fork choice at the next boundary should see where they ended (RoundFailed too)
     awaiting: tuple[str, ...] = ()
     awaiting_until: float = 0.0
 

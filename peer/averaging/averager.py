@@ -14,12 +14,12 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import time
-from collections.abc import Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from hivetrain.dht import clock
+from hivetrain.dht.facade import FutureLike, LoopRunner
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
@@ -31,8 +31,7 @@ from hivetrain.peer.averaging.statements import STATEMENT_LEN
 from hivetrain.peer.averaging.views import Report
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import Done, Reply, Server, Ticket
-from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
-from hivetrain.peer.state.snapshot import ZERO
+from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code, reason
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,23 +40,15 @@ MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
 
-class LoopRunner(Protocol):
-    """Runs a coroutine on the loop that owns the link, from another thread (the DHT facade)."""
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T: ...
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]: ...
-
-
 class _InFlight:
     """The ``Pending`` of an averaging running on the link's loop."""
 
-    def __init__(self, future: concurrent.futures.Future[AverageResult], budget: float):
+    def __init__(self, future: FutureLike, budget: float):
         self.future, self.budget = future, budget
 
     def result(self) -> AverageResult:
         try:
-            return self.future.result(self.budget)
+            return self.future.result(self.budget)  # type: ignore[no-any-return]
         except RoundFailed:
             raise
         except concurrent.futures.TimeoutError:
@@ -123,10 +114,10 @@ class P2PAverager:
         until we must have started that round's averaging (the ETA, then at most the averaging in
         flight: ``budget``); our ready record for the round expires later, so that it replaces
         this one (the DHT keeps the later expiration under one subkey)."""
-        eta = time.time() + eta_s if eta_s else 0.0
+        eta = clock.wall() + eta_s if eta_s else 0.0
         ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta, closed=self.ctx.closed)
         ttl = (eta_s or 0.0) + self.budget
-        self.announced[round_] = time.time() + ttl
+        self.announced[round_] = clock.wall() + ttl
         for old in sorted(self.announced)[:-4]:  # bounded: recent rounds only
             del self.announced[old]
 
@@ -140,7 +131,7 @@ class P2PAverager:
 
     async def average_async(self, round_: int, base: str, delta: torch.Tensor) -> AverageResult:
         ctx = self.ctx
-        t0 = time.monotonic()
+        t0 = clock.now()
         sent0, received0 = ctx.traffic.sent + self.server.traffic.sent, ctx.traffic.received + self.server.traffic.received
         self._enter(round_)
         mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base)
@@ -152,10 +143,10 @@ class P2PAverager:
             mm.expected, self.first_expected = self.first_expected, set()  # may still be on its way)
         try:
             order = await mm.run()
-            t1 = time.monotonic()
+            t1 = clock.now()
             ctx.behaviour.at("after_matchmaking", round_)
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
-                                   ctx.spec.audit, time.monotonic() + ctx.spec.allreduce_timeout,
+                                   ctx.spec.audit, clock.now() + ctx.spec.allreduce_timeout,
                                    ctx.spec.piece_values, mm.closed_members(order))
             self.sessions[round_] = session
             self._mark_replays(session)
@@ -175,14 +166,14 @@ class P2PAverager:
             raise
         sent = ctx.traffic.sent + self.server.traffic.sent - sent0
         received = ctx.traffic.received + self.server.traffic.received - received0
-        stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": time.monotonic() - t1,
+        stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": clock.now() - t1,
                  "others_seen": float(len(mm.seen - set(order)))}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges), alone,
-                             time.monotonic() + self._settle_s if alone else 0.0)
+                             clock.now() + self._settle_s if alone else 0.0)
 
     @property
     def _settle_s(self) -> float:
@@ -229,15 +220,16 @@ class P2PAverager:
         return self.ctx.header("ack", header.get("round", 0), header.get("base", "0" * 64), code=int(code),
                                reason=reason(why)), b""
 
-    def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
-        kind, round_ = header["type"], header["round"]
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
+        kind = header["type"]
+        if kind != "view" and kind not in SESSION_KINDS:  # (a well-formed message of another protocol)
+            return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
+        round_ = header["round"]
         if header["run"] != self.ctx.run:
             return self.refusal(header, Code.FOREIGN, "message for another run spec")
         if kind == "view":
             return Done(self._on_view(sender, header)) if not body_len else self.refusal(
                 header, Code.WRONG_SIZE, "a view request has no body")
-        if kind not in SESSION_KINDS:
-            return self.refusal(header, Code.MALFORMED, f"{kind} is not a request")
         if not self.current_round - 1 <= round_ <= self.current_round + 1:
             return self.refusal(header, Code.FOREIGN, f"round {round_} is not near ours ({self.current_round})")
         session = self.sessions.get(round_)

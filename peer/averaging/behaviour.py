@@ -1,8 +1,10 @@
-"""How this peer acts where the protocol gives it something to send.
+"""How this peer acts where a protocol gives it something to send.
 
 The protocol code asks a ``Behaviour`` at each such point; the honest one sends what the protocol
 computed. Faults and attacks are other behaviours, injected from outside: the hidden ``--fault``
-flag builds one (peer/faults.py), and the protocol tests build their own.
+flag builds one (peer/faults.py), the protocol tests and the simulator's attack library
+(peer/sim/attacks.py) build their own. Besides averaging, state serving (peer/state/serve.py
+``Serving``) and the dial-back check (peer/net/dialback.py ``Answering``) ask it too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class Behaviour:
     def verdict_for(self, round_: int, shard: int, recipient: str, ok: bool) -> bool:
         """Our verdict as sent to ``recipient``."""
         return ok
+
+    def served_piece(self, round_: int, index: int, body: bytes) -> bytes:
+        """Piece ``index`` of our state of round ``round_`` as we serve it to a peer that syncs."""
+        return body
+
+    def dialback_answer(self, asker: str, connected: bool) -> bool:
+        """What we tell ``asker`` about whether we could open a connection to it."""
+        return connected
 
 
 HONEST = Behaviour()

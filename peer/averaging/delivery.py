@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
+from hivetrain.dht import clock
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
@@ -45,7 +45,7 @@ async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str
     kind = header["type"]
     pause, failures = RETRY_PAUSE[0], 0
     while True:
-        remaining = deadline - time.monotonic()
+        remaining = deadline - clock.now()
         if remaining <= 0:
             raise RoundFailed(f"deadline passed delivering our {kind} to {peer}")
         try:
@@ -54,14 +54,14 @@ async def deliver(ctx: PeerContext, deadline: float, peer: str, header: dict[str
             failures += 1
             if failures >= SEND_ATTEMPTS:
                 raise Lost(reason(f"could not deliver our {kind} to {peer}: {e!r}"), peer) from None
-            if time.monotonic() + 0.5 >= deadline:
+            if clock.now() + 0.5 >= deadline:
                 raise RoundFailed(reason(f"could not deliver our {kind} to {peer}: {e!r}")) from None
             await asyncio.sleep(0.2 * failures)
             continue
         code = reply["code"] if reply.get("type") == "ack" else int(Code.MALFORMED)
         if code in (Code.OK, Code.DUPLICATE):
             return
-        if code in (Code.NOT_READY, Code.BUSY) and time.monotonic() + pause < deadline:
+        if code in (Code.NOT_READY, Code.BUSY) and clock.now() + pause < deadline:
             await asyncio.sleep(pause)
             pause = min(RETRY_PAUSE[1], 2 * pause)
             continue

@@ -17,8 +17,8 @@ member the n parts of one shard and one recomputation, only when there is an acc
 from __future__ import annotations
 
 import asyncio
-import time
 
+from hivetrain.dht import clock
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.reduce import FindingKind, ShardInputs, audit_shard, digest
 from hivetrain.peer.averaging.session import RoundSession
@@ -52,7 +52,7 @@ async def _settle(ctx: PeerContext, s: RoundSession, k: int) -> tuple[str, str]:
     assert auditor is not None
     shard = s.shards[k]
     assert shard.result is not None
-    deadline = time.monotonic() + SETTLE_SHARE * ctx.spec.allreduce_timeout
+    deadline = clock.now() + SETTLE_SHARE * ctx.spec.allreduce_timeout
     received: dict[str, bytes] = {}
     invalid: dict[str, str] = {}
     for i, peer in enumerate(s.order):
@@ -62,7 +62,7 @@ async def _settle(ctx: PeerContext, s: RoundSession, k: int) -> tuple[str, str]:
         header = ctx.header("evidence_req", s.round, s.base, group=s.group, shard=k, index=i)
         try:
             reply, body = await request(ctx.link, auditor, ctx.protocol, header, b"",
-                                        max(0.1, deadline - time.monotonic()), max_reply_body=s.shard_nbytes(k),
+                                        max(0.1, deadline - clock.now()), max_reply_body=s.shard_nbytes(k),
                                         traffic=ctx.traffic)
         except Exception as e:
             return auditor, f"accused {reducer} of a wrong aggregate and did not show the parts ({type(e).__name__})"

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
+from hivetrain.dht import clock
 from hivetrain.peer.averaging.api import group_order
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import Ready, ReadyBoard
-from hivetrain.peer.averaging.sybil import first_prefix
 from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, outgoing, priority, settle
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
-from hivetrain.peer.net.wire import MAX_GROUP
-from hivetrain.peer.state.snapshot import ZERO
+from hivetrain.peer.net.prefixes import first_prefix
+from hivetrain.peer.net.wire import MAX_GROUP, ZERO
 
 logger = logging.getLogger(__name__)
 POLL = 0.1  # seconds between board reads while the window is open
@@ -82,10 +81,10 @@ class Matchmaking:
         spec = self.ctx.spec
         announce = asyncio.create_task(self._announce())
         try:
-            opened = time.monotonic()
+            opened = clock.now()
             await self._window(opened + spec.matchmaking_timeout)
-            self.waited = time.monotonic() - opened
-            group = await self._agree(time.monotonic() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
+            self.waited = clock.now() - opened
+            group = await self._agree(clock.now() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
             if self.view.me_closed and len(group) > 1:
                 await self._tell_decision(group)
         finally:
@@ -116,20 +115,20 @@ class Matchmaking:
         await asyncio.gather(*(tell(p) for p in sorted(self.view.askable(group) - told, key=caps.priority)))
 
     async def _announce(self) -> None:
-        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=time.time(),
+        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=clock.wall(),
                       closed=self.view.me_closed)
-        ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - time.time() + 1.0)
-        end = time.monotonic() + self.ctx.spec.matchmaking_timeout
-        while time.monotonic() < end:
+        ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - clock.wall() + 1.0)
+        end = clock.now() + self.ctx.spec.matchmaking_timeout
+        while clock.now() < end:
             try:
-                if await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), end - time.monotonic()):
+                if await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), end - clock.now()):
                     return
             except TimeoutError:
                 break
             except Exception as e:  # a background task: say what went wrong, never raise unseen
                 logger.warning("round %d: storing our ready record failed: %r", self.view.round, e)
                 return
-            await asyncio.sleep(min(1.0, max(0.0, end - time.monotonic())))  # refused: not a tight loop
+            await asyncio.sleep(min(1.0, max(0.0, end - clock.now())))  # refused: not a tight loop
         # not fatal: peers we find still learn of us when we ask them for their view
         logger.warning("round %d: could not publish our ready record", self.view.round)
 
@@ -170,7 +169,7 @@ class Matchmaking:
         target = self.ctx.spec.target_group_size
         while True:
             await self._read_board()
-            remaining = end - time.monotonic()
+            remaining = end - clock.now()
             if (remaining <= 0 or len(self.view.effective()) >= target or self.urgent or self.view.decided
                     or not self.worth_waiting()):
                 return
@@ -197,7 +196,7 @@ class Matchmaking:
         view = self.view
         hints: frozenset[str] = frozenset()
         while view.decided is None:
-            if time.monotonic() > end:
+            if clock.now() > end:
                 raise RoundFailed(f"no agreement on the group of round {view.round}")
             await self._observe(view.effective() | hints)
             caps = self.caps()
@@ -212,7 +211,7 @@ class Matchmaking:
                 if a.peer in hints and a.reply is not None and a.reply.ready and not a.reply.decided:
                     view.add(a.peer)
             replies = {a.peer: a.reply for a in answers if a.peer in asked or (a.reply is not None and a.reply.decided)}
-            step = fold(view, asked, replies, caps, time.monotonic())
+            step = fold(view, asked, replies, caps, clock.now())
             hints = step.hints
             if step.decided is None and not hints and not self.changed.is_set():
                 try:  # the others have yet to catch up: give them a moment, not a busy loop
@@ -227,7 +226,7 @@ class Matchmaking:
                                  excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False)
         reply = None
         for attempt in range(VIEW_ATTEMPTS):
-            started = time.monotonic()
+            started = clock.now()
             try:
                 reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
                                          traffic=self.ctx.traffic)
@@ -236,7 +235,7 @@ class Matchmaking:
                 logger.debug("view request to %s failed (attempt %d): %r", peer, attempt + 1, e)
                 # Asking again is harmless. A stream that p2pd dropped at once is worth a retry; a
                 # request that ran into its timeout is not: the peer is stalled.
-                if attempt + 1 == VIEW_ATTEMPTS or time.monotonic() - started > FAST_FAILURE:
+                if attempt + 1 == VIEW_ATTEMPTS or clock.now() - started > FAST_FAILURE:
                     return _Ask(peer, None)
                 await asyncio.sleep(0.1 * (attempt + 1))
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:

@@ -10,10 +10,10 @@ binds it to. Two boards: the DHT (real peers) and a dict in memory (tests and si
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hivetrain.dht import clock
 from hivetrain.dht.errors import InvalidRecord
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import Envelope, decode_bound, encode_payload, ready_key
@@ -48,7 +48,7 @@ def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope
     payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
                                            spec_hash=ready.spec, done=ready.done, eta=float(ready.eta),
                                            closed=ready.closed))
-    return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, time.time() + ttl)
+    return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, clock.wall() + ttl)
 
 
 def verified(envelope: Envelope) -> Ready | None:

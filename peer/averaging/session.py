@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hivetrain.dht import clock
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.reduce import digest
@@ -285,7 +285,7 @@ class RoundSession:
     async def wait_for(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
         """Waits until ``ready()`` (re-checked whenever a message arrives); RoundFailed past ``deadline``."""
         while not ready():
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock.now()
             if remaining <= 0:
                 raise RoundFailed(f"deadline passed waiting for the {what}", dict(self.culprits))
             self.arrived.clear()

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from hivetrain.dht import clock
 from hivetrain.dht.identity import Identity
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.peer.averaging.api import AverageResult
@@ -101,7 +101,7 @@ class LocalSwarm:
             for i, b in zip(who, base_of, strict=True):
                 peer = self.peers[i].ctx
                 await self.board.publish(peer.identity, Ready(peer.me, round_, b, peer.run, done=False,
-                                                              eta=time.time(), closed=peer.closed), 1.0)
+                                                              eta=clock.wall(), closed=peer.closed), 1.0)
             return await asyncio.gather(*(self.peers[i].average_async(round_, b, d)
                                           for i, b, d in zip(who, base_of, deltas, strict=True)),
                                         return_exceptions=True)

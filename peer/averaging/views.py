@@ -38,7 +38,7 @@ import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from hivetrain.peer.averaging.sybil import cap_by_prefix
+from hivetrain.peer.net.prefixes import cap_by_prefix
 from hivetrain.peer.net.wire import MAX_GROUP
 
 Priority = Callable[[str], tuple[float, bytes]]  # smaller sorts first = kept first

@@ -2,13 +2,16 @@
 
 p2pd runs AutoNAT but has no API to read its verdict (docs/REACH.md section 2), and a peer that
 nobody can dial cannot reduce or audit: parts would never reach it. So a peer asks up to ASKED of
-the peers it is connected to: "open a plain TCP connection to my address at these ports".
+the peers it is connected to: "open a plain TCP connection to my address at these ports". Both
+sides speak over the link (peer/net/link.py): the check is one request with no body, and the
+``DialBackService`` answers it on the link's server, with its caps.
 
-The asked peer dials only the IP that its own connection from the asker comes from, never an
-address the asker names, so nobody can aim it at a third host; at most MAX_DIALBACK_PORTS ports,
-DIAL_TIMEOUT each, one check per asker per COOLDOWN, CONCURRENT checks at once, and a relayed
-connection is refused (its remote end is the relay). A NAT drops or refuses the unsolicited
-connection, so the answer is no; a symmetric NAT also maps the asker's source port elsewhere.
+The asked peer dials only the IP that its own connection from the asker comes from (the stream's
+remote address, as the link sees it), never an address the asker names, so nobody can aim it at a
+third host; at most MAX_DIALBACK_PORTS ports, DIAL_TIMEOUT each, one check per asker per COOLDOWN,
+CONCURRENT checks at once, and a relayed connection is refused (its remote end is the relay). A
+NAT drops or refuses the unsolicited connection, so the answer is no; a symmetric NAT also maps the
+asker's source port elsewhere.
 
 The asker is reachable (``DIRECT``) when more answers say yes than no, ``OUTBOUND_ONLY`` when at
 least as many say no, and ``UNKNOWN`` when nobody answered (the first peer of a run: it acts as
@@ -21,17 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from hivetrain.dht import clock
 from hivetrain.dht.diagnose import tcp_endpoint
-from hivetrain.peer.net.wire import MAX_DIALBACK_PORTS, encode_frame, read_frame, reason
+from hivetrain.peer.net.link import Link, Reply, Server, request
+from hivetrain.peer.net.wire import MAX_DIALBACK_PORTS, Code, reason
 
-PROTOCOL = "hivetrain/dialback/1"
+PROTOCOL = "hivetrain/dialback/2"  # 2: over the link's framing and caps
 DIRECT, OUTBOUND_ONLY, UNKNOWN = "direct", "outbound_only", "unknown"  # the heartbeat's ``reach`` values
+REACH_WORDS = {DIRECT: "reachable directly", OUTBOUND_ONLY: "outbound-only (behind NAT)", UNKNOWN: "not known"}
 ASKED = 3  # peers asked per check
 DIAL_TIMEOUT = 3.0  # seconds for the asked peer's TCP connect
 ASK_TIMEOUT = DIAL_TIMEOUT + 5.0  # seconds the asker waits for one answer
@@ -59,88 +64,91 @@ def listen_ports(maddrs: Sequence[str]) -> list[int]:
     return ports[:MAX_DIALBACK_PORTS]
 
 
-class DialBackService:
-    """Answers other peers' checks (on the loop that owns ``p2p``)."""
+class Answering(Protocol):
+    """How this peer answers a check (the honest one: what its dial found)."""
 
-    def __init__(self) -> None:
+    def dialback_answer(self, asker: str, connected: bool) -> bool:
+        """What we tell ``asker`` about whether we could connect to it."""
+        ...
+
+
+def _reply(checked: bool, ok: bool, why: str) -> Reply:
+    return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": reason(why)}, b""
+
+
+class _Check:
+    """The server's ticket for one admitted check: the dials run in ``complete``."""
+
+    deadline = 0.0
+
+    def __init__(self, service: DialBackService, asker: str, host: str, ports: list[int]):
+        self.service, self.asker, self.host, self.ports = service, asker, host, ports
+
+    async def complete(self, body: bytes) -> Reply:
+        service = self.service
+        service.running += 1
+        try:
+            results = await asyncio.gather(*(service.link.connects(self.host, port, DIAL_TIMEOUT) for port in self.ports))
+        finally:
+            service.running -= 1
+        service.checked += 1
+        opened = [p for p, ok in zip(self.ports, results, strict=True) if ok]
+        ok = service.answering.dialback_answer(self.asker, bool(opened))
+        if ok:
+            return _reply(True, True, f"connected to {self.host} port {(opened or self.ports)[0]}")
+        return _reply(True, False, f"could not connect to {self.host} at ports {', '.join(map(str, self.ports))}")
+
+    def abort(self) -> None:
+        pass
+
+
+class DialBackService:
+    """Answers other peers' checks; serve ``server`` on the link under ``PROTOCOL``."""
+
+    max_body = 0
+
+    def __init__(self, link: Link, answering: Answering):
+        self.link, self.answering = link, answering
+        self.server = Server(self)
         self.last: OrderedDict[str, float] = OrderedDict()  # asker -> when we last checked it (bounded)
         self.running = 0
         self.checked = 0  # checks answered (tests read it)
 
-    async def serve(self, p2p: Any) -> None:
-        await p2p.add_binary_stream_handler(PROTOCOL, self._handle)
+    def is_member(self, peer: str) -> bool:
+        return False
 
-    async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            ok, why = await self._answer(info.peer_id.to_base58(), str(info.addr), reader)
-            writer.write(encode_frame({"type": "dialback_reply", "checked": ok is not None, "ok": bool(ok),
-                                       "reason": reason(why)}))
-            await writer.drain()
-        except Exception as e:  # a malformed or vanished asker: nothing to answer
-            logger.debug("dial-back check failed: %r", e)
-        finally:
-            writer.close()
+    def refusal(self, header: dict[str, Any], code: Code, why: str) -> Reply:
+        return _reply(False, False, why or code.name)
 
-    async def _answer(self, asker: str, remote: str, reader: asyncio.StreamReader) -> tuple[bool | None, str]:
-        """(whether we could connect, or None: we did not check; why)."""
-        header, _ = await read_frame(reader, ASK_TIMEOUT, max_body=0)
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | _Check:
         if header["type"] != "dialback":
-            return None, "not a dial-back request"
+            return _reply(False, False, "not a dial-back request")
         where = tcp_endpoint(remote)
         if "/p2p-circuit" in remote or where is None:
-            return None, f"we see you through {remote}, not at an address we can dial"
-        now = time.monotonic()
-        if now - self.last.get(asker, -COOLDOWN) < COOLDOWN or self.running >= CONCURRENT:
-            return None, "busy: ask again later"
-        self.last[asker] = now
-        self.last.move_to_end(asker)
+            return _reply(False, False, f"we see you through {remote or 'no address'}, not at an address we can dial")
+        now = clock.now()
+        if now - self.last.get(sender, -COOLDOWN) < COOLDOWN or self.running >= CONCURRENT:
+            return _reply(False, False, "busy: ask again later")
+        self.last[sender] = now
+        self.last.move_to_end(sender)
         while len(self.last) > MAX_ASKERS:
             self.last.popitem(last=False)
-        self.running += 1
-        try:
-            results = await asyncio.gather(*(_connects(where[1], port) for port in header["ports"]))
-        finally:
-            self.running -= 1
-        self.checked += 1
-        opened = [p for p, ok in zip(header["ports"], results, strict=True) if ok]
-        if opened:
-            return True, f"connected to {where[1]} port {opened[0]}"
-        return False, f"could not connect to {where[1]} at ports {', '.join(map(str, header['ports']))}"
+        return _Check(self, sender, where[1], list(header["ports"]))
 
 
-async def _connects(ip: str, port: int) -> bool:
-    try:
-        async with asyncio.timeout(DIAL_TIMEOUT):
-            _, writer = await asyncio.open_connection(ip, port)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-async def check(p2p: Any, ports: Sequence[int], peers: Sequence[str] | None = None) -> Verdict:
+async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = None) -> Verdict:
     """Asks up to ASKED peers (default: those we hold direct connections to) to dial us at
-    ``ports``; call on the loop that owns ``p2p``."""
-    from hivemind.p2p import PeerID
-
+    ``ports``; call on the link's loop."""
     if peers is None:
-        infos = await p2p.list_peers()
-        peers = list(dict.fromkeys(i.peer_id.to_base58() for i in infos
-                                   if not any("/p2p-circuit" in str(a) for a in i.addrs)))
+        peers = await link.connected()
     asked = list(peers)[:ASKED]
     if not ports or not asked:
         return Verdict(UNKNOWN, (), tuple(ports))
 
     async def ask(peer: str) -> tuple[str, bool | None]:
         try:
-            async with asyncio.timeout(ASK_TIMEOUT):
-                _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
-                try:
-                    writer.write(encode_frame({"type": "dialback", "ports": list(ports)}))
-                    await writer.drain()
-                    reply, _ = await read_frame(reader, ASK_TIMEOUT, max_body=0)
-                finally:
-                    writer.close()
+            reply, _ = await request(link, peer, PROTOCOL, {"type": "dialback", "ports": list(ports)}, b"",
+                                     ASK_TIMEOUT)
         except Exception as e:  # an old peer without the protocol, a timeout, a dropped stream: no answer
             logger.debug("dial-back check by %s failed: %r", peer, e)
             return peer, None

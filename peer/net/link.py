@@ -12,19 +12,22 @@ A request with a body is sent in two steps, so a receiver never reads a body it 
 
 The server caps concurrent streams in all and per peer (refusing the excess at once with BUSY) and
 puts a deadline on every read and on the reply's write. The peer id a ``Service`` sees is the one
-the link authenticated (for libp2p, the stream's remote peer id), never a field of the message.
+the link authenticated (for libp2p, the stream's remote peer id), never a field of the message, and
+the address is the stream's remote end as our side of the connection sees it. Every protocol of a
+peer is a ``Service`` on this seam: averaging (peer/averaging/averager.py), state serving
+(peer/state/serve.py) and the dial-back check (peer/net/dialback.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hivetrain.dht import clock
 from hivetrain.peer.net.wire import (
     Code,
     ProtocolError,
@@ -46,7 +49,7 @@ class Ticket(Protocol):
 
     @property
     def deadline(self) -> float:
-        """Monotonic seconds: the body must have arrived by then."""
+        """``clock.now()`` seconds: the body must have arrived by then."""
         ...
 
     async def complete(self, body: bytes) -> Reply:
@@ -66,9 +69,10 @@ class Service(Protocol):
         """No message of this protocol has a longer body: a longer claim is refused on the prefix."""
         ...
 
-    def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str) -> Reply | Ticket:
         """Decides on the header alone: a ``Reply`` ends the exchange (any body stays unread), a
-        ``Ticket`` asks for the body. Called on the link's loop; must not block."""
+        ``Ticket`` asks for the body. ``remote``: the stream's remote address as our side sees it
+        ("" if unknown). Called on the link's loop; must not block."""
         ...
 
     def refusal(self, header: dict[str, Any], code: Code, why: str) -> Reply:
@@ -104,7 +108,7 @@ class Link(Protocol):
         ...
 
     async def serve(self, protocol: str, server: Server) -> None:
-        """Routes inbound streams of ``protocol`` to ``server.handle(sender, reader, writer)``."""
+        """Routes inbound streams of ``protocol`` to ``server.handle(sender, reader, writer, remote)``."""
         ...
 
     async def observed_addrs(self, peers: Sequence[str]) -> dict[str, list[str]]:
@@ -115,13 +119,28 @@ class Link(Protocol):
         """The addresses we listen on or announce."""
         ...
 
+    async def connected(self) -> list[str]:
+        """The peers we hold a direct (not relayed) connection to."""
+        ...
+
+    async def connects(self, host: str, port: int, timeout: float) -> bool:
+        """Whether a plain TCP connection to ``host``:``port`` opens within ``timeout`` seconds."""
+        ...
+
 
 @dataclass
 class Traffic:
-    """Bytes this peer wrote and read in requests and replies (headers included)."""
+    """Bytes this peer wrote and read in requests and replies (headers included), in all and by
+    the type of the request they belong to."""
 
     sent: int = 0
     received: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)  # request type -> bytes both ways
+
+    def count(self, kind: str, sent: int = 0, received: int = 0) -> None:
+        self.sent += sent
+        self.received += received
+        self.by_kind[kind] += sent + received
 
 
 async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], body: bytes, timeout: float,
@@ -130,7 +149,7 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
     returns the reply. A refusal is a reply too (an ``ack`` with its code). Raises TimeoutError past
     ``timeout`` seconds, ProtocolError for a malformed reply, OSError/IncompleteReadError (or the
     transport's own errors) if the peer cannot be reached or drops the stream."""
-    deadline = time.monotonic() + timeout
+    deadline = clock.now() + timeout
     head = encode_header(header, len(body))
     sent = 0  # bytes written, counted even when the exchange fails afterwards (a lost reply: they were sent)
     try:
@@ -141,21 +160,21 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
                 await writer.drain()
                 sent = len(head)
                 if body:
-                    go, _ = await read_header(reader, max(0.01, deadline - time.monotonic()), max_body=0)
+                    go, _ = await read_header(reader, max(0.01, deadline - clock.now()), max_body=0)
                     if go.get("type") != "ack" or go["code"] != Code.CONTINUE:
                         return go, b""  # refused on the header: the body stays here
                     writer.write(body)
                     await writer.drain()
                     sent += len(body)
-                reply, reply_len = await read_header(reader, max(0.01, deadline - time.monotonic()), max_reply_body)
-                reply_body = await read_body(reader, reply_len, max(0.01, deadline - time.monotonic()))
+                reply, reply_len = await read_header(reader, max(0.01, deadline - clock.now()), max_reply_body)
+                reply_body = await read_body(reader, reply_len, max(0.01, deadline - clock.now()))
             finally:
                 writer.close()
     finally:
         if traffic is not None:
-            traffic.sent += sent
+            traffic.count(header["type"], sent=sent)
     if traffic is not None:
-        traffic.received += len(reply_body) + 64
+        traffic.count(header["type"], received=len(reply_body) + 64)
     return reply, reply_body
 
 
@@ -167,43 +186,44 @@ class Server:
     service: Service
     max_others: int = MAX_STREAMS_OTHERS
     max_per_peer: int = MAX_STREAMS_PER_PEER
+    write_timeout: float = IO_TIMEOUT  # seconds to write one reply
     open_streams: Counter[str] = field(default_factory=Counter)
     others: int = 0  # open streams from non-members
     refused_busy: int = 0  # streams refused for the caps (seen by tests and logs)
     traffic: Traffic = field(default_factory=Traffic)
 
-    async def handle(self, sender: str, reader: asyncio.StreamReader, writer: Any) -> None:
-        """Serves one inbound stream from the authenticated ``sender``; never raises."""
+    async def handle(self, sender: str, reader: asyncio.StreamReader, writer: Any, remote: str = "") -> None:
+        """Serves one inbound stream from the authenticated ``sender`` (seen at ``remote``); never raises."""
         member = self.service.is_member(sender)
         if self.open_streams[sender] >= self.max_per_peer or (not member and self.others >= self.max_others):
             self.refused_busy += 1
-            await _write(writer, self.service.refusal({}, Code.BUSY, "too many streams"))
+            await _write(writer, self.service.refusal({}, Code.BUSY, "too many streams"), self.write_timeout)
             return
         self.open_streams[sender] += 1
         self.others += not member
         try:
-            await self._serve(sender, reader, writer)
+            await self._serve(sender, reader, writer, remote)
         finally:
             self.others -= not member
             self.open_streams[sender] -= 1
             if self.open_streams[sender] <= 0:
                 del self.open_streams[sender]
 
-    async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: Any) -> None:
+    async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: Any, remote: str) -> None:
         header: dict[str, Any] = {}
         try:
             header, body_len = await read_header(reader, IO_TIMEOUT, self.service.max_body)
-            self.traffic.received += 64  # a header; a body counts once it is read (a claimed length is no traffic)
-            outcome = self.service.admit(sender, header, body_len)
+            self.traffic.count(header["type"], received=64)  # a header; a body counts once it is read
+            outcome = self.service.admit(sender, header, body_len, remote)
             if isinstance(outcome, tuple):  # answered on the header: a body, if any, stays unread
                 reply = outcome
             elif not body_len:
                 reply = await outcome.complete(b"")
             else:
                 try:
-                    await _write(writer, self.service.refusal(header, Code.CONTINUE, ""), close=False)
-                    body = await read_body(reader, body_len, max(0.01, outcome.deadline - time.monotonic()))
-                    self.traffic.received += body_len
+                    await _write(writer, self.service.refusal(header, Code.CONTINUE, ""), self.write_timeout, close=False)
+                    body = await read_body(reader, body_len, max(0.01, outcome.deadline - clock.now()))
+                    self.traffic.count(header["type"], received=body_len)
                 except BaseException:
                     outcome.abort()
                     raise
@@ -216,18 +236,24 @@ class Server:
         except Exception as e:  # a bug must not silently drop the stream: answer, and say what it was
             logger.exception("handler failed on a message from %s", sender)
             reply = self.service.refusal(header, Code.INTERNAL, f"internal error: {type(e).__name__}")
-        self.traffic.sent += len(reply[1]) + 64
-        await _write(writer, reply)
+        self.traffic.count(header.get("type", "?"), sent=len(reply[1]) + 64)
+        await _write(writer, reply, self.write_timeout)
 
 
-async def _write(writer: Any, reply: Reply, close: bool = True) -> None:
-    """Writes one reply frame within IO_TIMEOUT (a peer that never reads does not pin us)."""
+async def _write(writer: Any, reply: Reply, timeout: float, close: bool = True) -> None:
+    """Writes one reply frame within ``timeout`` seconds; past it, the stream is aborted with
+    whatever is still buffered (a peer that never reads pins no memory here)."""
     header, body = reply
     try:
-        async with asyncio.timeout(IO_TIMEOUT):
+        async with asyncio.timeout(timeout):
             writer.write(encode_header(header, len(body)) + body)
             await writer.drain()
-    except (TimeoutError, OSError, ConnectionError):
+    except TimeoutError:
+        transport = getattr(writer, "transport", None)
+        if transport is not None:
+            transport.abort()
+        close = True
+    except (OSError, ConnectionError):
         close = True
     finally:
         if close:

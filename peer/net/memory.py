@@ -1,42 +1,56 @@
 """An in-process ``Link``: peers on one event loop, streams as in-memory pipes.
 
 The same request/reply code (peer/net/link.py) and the same services run over it as over libp2p,
-so protocol tests and simulations exercise exactly what peers run, in milliseconds. The network
-can cut a peer off, delay its traffic, cap its uplink (bytes/s shared by all its streams, like a
-tbf-shaped link), or give it an address (for the per-prefix Sybil cap), to inject faults from
-outside the protocol code.
+so protocol tests and the simulator (peer/sim/) exercise exactly what peers run. The network is the
+world the peers live in, set from outside the protocol code, per peer:
+
+- ``rates`` / ``down``: uplink / downlink caps in bytes/s, each shared by all of that peer's streams
+  in turns of ``SLICE`` bytes (fair queuing, as Linux's default fq_codel shares a link); a byte
+  crosses the sender's uplink, then the receiver's downlink;
+- ``latency``: one-way seconds of the peer's access link (a byte from a to b arrives latency[a] +
+  latency[b] after it crossed the links); ``delays``: seconds added to every write of a peer
+  (a slow writer, for tests);
+- ``cut``: peers whose traffic is dropped both ways; ``partition``: peers in different components
+  cannot reach each other; ``loss``: the probability that a stream a peer opens or takes fails at
+  once (a lost connection; drawn from ``rng``, so a seeded run is repeatable);
+- ``behind_nat``: a peer that is dialed only over connections it opened itself; ``addrs``: the
+  address others see a peer at (the per-prefix Sybil cap and a joiner's votes read it), which is
+  also where a plain TCP dial reaches it (``connects``, the dial-back check).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivetrain.peer.net.link import Server
 
-SLICE = 16384  # bytes a capped uplink carries of one stream before the next stream's turn
+SLICE = 16384  # bytes a capped link carries of one stream before the next stream's turn
+Item = bytes | None  # None: the end of a stream
 
 
-class _Uplink:
-    """A sender's capped uplink: its streams take turns, SLICE bytes at a time (fair queuing, as
-    Linux's default fq_codel shares a link), at ``rate`` bytes/s in all."""
+class _Shaper:
+    """A capped link: its streams take turns, SLICE bytes at a time, at ``rate`` bytes/s in all;
+    each item leaves through ``out(writer, item)``."""
 
     def __init__(self, rate: float):
         self.rate = rate
-        self.queues: dict[_PipeWriter, deque[bytes | None]] = {}  # in turn order; None: end of stream
+        self.queues: dict[_PipeWriter, deque[Item]] = {}  # in turn order
+        self.outs: dict[_PipeWriter, Callable[[_PipeWriter, Item], None]] = {}
         self.pump: asyncio.Task[None] | None = None
-        self.clock = 0.0  # loop time the uplink is free again
+        self.clock = 0.0  # loop time the link is free again
 
-    def put(self, writer: _PipeWriter, data: bytes | None) -> None:
+    def put(self, writer: _PipeWriter, item: Item, out: Callable[[_PipeWriter, Item], None]) -> None:
         queue = self.queues.setdefault(writer, deque())
-        if data is None:
+        self.outs[writer] = out
+        if item is None:
             queue.append(None)
         else:
-            queue.extend(data[i:i + SLICE] for i in range(0, len(data), SLICE))
-        writer.sent.clear()
+            queue.extend(item[i:i + SLICE] for i in range(0, len(item), SLICE))
         if self.pump is None or self.pump.done():
             self.pump = asyncio.ensure_future(self._run())
 
@@ -46,53 +60,106 @@ class _Uplink:
         while self.queues:
             for writer in list(self.queues):
                 queue = self.queues[writer]
-                chunk = queue.popleft()
-                if chunk is None:
-                    writer.reader.feed_eof()
-                else:
-                    self.clock += len(chunk) / self.rate
+                item = queue.popleft()
+                if item is not None:
+                    self.clock += len(item) / self.rate
                     await asyncio.sleep(self.clock - loop.time())
-                    writer.reader.feed_data(chunk)
+                out = self.outs[writer]
                 if not queue:
                     del self.queues[writer]
-                    writer.sent.set()
+                    del self.outs[writer]
+                out(writer, item)
 
 
 class _PipeWriter:
-    """The writing end of a one-way in-memory pipe into ``reader``."""
+    """The writing end of a one-way in-memory pipe into ``reader``, from ``src`` to ``dst``."""
 
     def __init__(self, reader: asyncio.StreamReader, net: MemoryNetwork, src: str, dst: str):
         self.reader, self._net, self._src, self._dst = reader, net, src, dst
-        self._closed = False
-        self.uplink = net.uplink(src)
-        self.sent = asyncio.Event()  # everything written has crossed the capped uplink
+        self._closed = self._aborted = False
+        self.uplink, self.downlink = net.shaper(net.rates, net._up, src), net.shaper(net.down, net._down, dst)
+        self.latency = net.latency_of(src) + net.latency_of(dst)
+        self.in_flight = 0  # items written that have not crossed the capped links yet
+        self.sent = asyncio.Event()  # everything written has crossed the capped links
         self.sent.set()
+        self._due: deque[tuple[float, Item]] = deque()  # crossed, arriving after the latency
 
     def write(self, data: bytes) -> None:
         if self._closed or self._net.is_cut(self._src, self._dst):
             raise ConnectionResetError("stream closed")
         if not data:
             return
-        self._net.bytes_moved[self._src] += len(data)
-        if self.uplink is None:
-            self.reader.feed_data(bytes(data))
-        else:  # the bytes arrive as the sender's uplink carries them
-            self.uplink.put(self, bytes(data))
+        self._net.bytes_moved[self._src] = self._net.bytes_moved.get(self._src, 0) + len(data)
+        self._send(bytes(data))
+
+    def _send(self, item: Item) -> None:
+        if self.uplink is None and self.downlink is None:
+            self._arrive(self, item)
+            return
+        self.in_flight += 1
+        self.sent.clear()
+        if self.uplink is not None:
+            self.uplink.put(self, item, self._after_uplink)
+        else:
+            self._after_uplink(self, item)
+
+    def _after_uplink(self, _: _PipeWriter, item: Item) -> None:
+        if self.downlink is not None:
+            self.downlink.put(self, item, self._crossed)
+        else:
+            self._crossed(self, item)
+
+    def _crossed(self, _: _PipeWriter, item: Item) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self.sent.set()
+        self._arrive(self, item)
+
+    def _arrive(self, _: _PipeWriter, item: Item) -> None:
+        if self.latency <= 0 and not self._due:
+            self._feed(item)
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.latency
+        self._due.append((due, item))
+        loop.call_at(due, self._deliver)
+
+    def _deliver(self) -> None:
+        now = asyncio.get_running_loop().time()
+        while self._due and self._due[0][0] <= now:  # in order, whatever order the timers fire in
+            self._feed(self._due.popleft()[1])
+
+    def _feed(self, item: Item) -> None:
+        if self._aborted:
+            return
+        if item is None:
+            self.reader.feed_eof()
+        elif self._net.is_cut(self._src, self._dst):
+            self.reader.feed_eof()  # the connection broke under the stream: what was in flight is lost
+        else:
+            self.reader.feed_data(item)
 
     async def drain(self) -> None:
         await self.sent.wait()
-        await asyncio.sleep(self._net.delay_of(self._src, self._dst))  # also yields, like a real drain
+        await asyncio.sleep(self._net.delays.get(self._src, 0.0) + self._net.delays.get(self._dst, 0.0))
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self.uplink is not None and not self.sent.is_set():
-                self.uplink.put(self, None)  # after the bytes still queued
-            else:
-                self.reader.feed_eof()
+            self._send(None)  # after the bytes still queued
 
     def is_closing(self) -> bool:
         return self._closed
+
+    @property
+    def transport(self) -> _PipeWriter:
+        return self  # as ``asyncio.StreamWriter.transport``: ``abort`` is there
+
+    def abort(self) -> None:
+        """Drops the stream with whatever is still queued: the reader sees it end at once."""
+        if not self._aborted:
+            self._closed = self._aborted = True
+            self.reader.feed_eof()
 
 
 @dataclass
@@ -101,13 +168,20 @@ class MemoryNetwork:
 
     links: dict[str, MemoryLink] = field(default_factory=dict)
     cut: set[str] = field(default_factory=set)  # peers whose traffic is dropped, both ways
+    partition: dict[str, int] = field(default_factory=dict)  # peer -> component (absent: 0)
     delays: dict[str, float] = field(default_factory=dict)  # peer -> seconds added to each of its writes
+    latency: dict[str, float] = field(default_factory=dict)  # peer -> one-way seconds of its access link
     addrs: dict[str, str] = field(default_factory=dict)  # peer -> the address others see it at
     bytes_moved: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)  # peer -> bytes/s of its uplink, shared by its streams
+    down: dict[str, float] = field(default_factory=dict)  # peer -> bytes/s of its downlink, shared likewise
+    loss: dict[str, float] = field(default_factory=dict)  # peer -> probability a stream it opens or takes fails
     behind_nat: set[str] = field(default_factory=set)  # dialed only over connections they opened themselves
-    _uplinks: dict[str, _Uplink] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    _up: dict[str, _Shaper] = field(default_factory=dict)
+    _down: dict[str, _Shaper] = field(default_factory=dict)
     _conns: set[tuple[str, str]] = field(default_factory=set)  # (dialer, dialed): connections, kept open
+    _adjacent: dict[str, dict[str, None]] = field(default_factory=dict)  # peer -> peers connected, in order
 
     def link(self, peer_id: str, addr: str | None = None) -> MemoryLink:
         link = MemoryLink(self, peer_id)
@@ -116,30 +190,56 @@ class MemoryNetwork:
         self.bytes_moved[peer_id] = 0
         return link
 
+    def drop(self, peer_id: str) -> None:
+        """A peer that crashed: its link, its servers and its connections are gone."""
+        self.links.pop(peer_id, None)
+        for other in self._adjacent.pop(peer_id, {}):
+            self._adjacent.get(other, {}).pop(peer_id, None)
+            self._conns -= {(peer_id, other), (other, peer_id)}
+
     def is_cut(self, a: str, b: str) -> bool:
-        return a in self.cut or b in self.cut
+        return a in self.cut or b in self.cut or self.partition.get(a, 0) != self.partition.get(b, 0)
 
     def dial(self, a: str, b: str) -> bool:
         """Whether ``a`` can open a stream to ``b``: as a NAT does, a peer behind one takes streams
         only over a connection it opened; any successful dial keeps its connection."""
         if self.is_cut(a, b) or (b in self.behind_nat and (b, a) not in self._conns):
             return False
-        if (b, a) not in self._conns:
+        if (b, a) not in self._conns and (a, b) not in self._conns:
             self._conns.add((a, b))
+            self._adjacent.setdefault(a, {})[b] = None
+            self._adjacent.setdefault(b, {})[a] = None
         return True
 
-    def delay_of(self, a: str, b: str) -> float:
-        return self.delays.get(a, 0.0) + self.delays.get(b, 0.0)
+    def lost(self, a: str, b: str) -> bool:
+        """Whether a stream between ``a`` and ``b`` fails at once (``loss``)."""
+        p = 1 - (1 - self.loss.get(a, 0.0)) * (1 - self.loss.get(b, 0.0))
+        return p > 0 and self.rng.random() < p
 
-    def uplink(self, src: str) -> _Uplink | None:
-        """``src``'s capped uplink (None if ``rates`` does not cap it), shared by all its streams."""
-        rate = self.rates.get(src)
+    def connected(self, a: str) -> list[str]:
+        """The peers ``a`` holds a connection to (either side opened it), in the order they came."""
+        return [p for p in self._adjacent.get(a, {}) if p in self.links and not self.is_cut(a, p)]
+
+    def connects(self, a: str, host: str, port: int) -> bool:
+        """Whether a plain TCP dial from ``a`` to ``host``:``port`` is answered (the dial-back check)."""
+        for peer, addr in self.addrs.items():
+            parts = addr.split("/")
+            if len(parts) >= 5 and parts[2] == host and parts[4] == str(port):
+                return peer in self.links and not self.is_cut(a, peer) and peer not in self.behind_nat
+        return False
+
+    def latency_of(self, peer: str) -> float:
+        return self.latency.get(peer, 0.0)
+
+    def shaper(self, rates: dict[str, float], shapers: dict[str, _Shaper], peer: str) -> _Shaper | None:
+        """``peer``'s capped link (None if ``rates`` does not cap it), shared by all its streams."""
+        rate = rates.get(peer)
         if not rate:
             return None
-        uplink = self._uplinks.get(src)
-        if uplink is None or uplink.rate != rate:
-            uplink = self._uplinks[src] = _Uplink(rate)
-        return uplink
+        shaper = shapers.get(peer)
+        if shaper is None or shaper.rate != rate:
+            shaper = shapers[peer] = _Shaper(rate)
+        return shaper
 
 
 class MemoryLink:
@@ -154,9 +254,12 @@ class MemoryLink:
         remote = self.net.links.get(peer)
         if remote is None or protocol not in remote._servers or not self.net.dial(self.me, peer):
             raise ConnectionRefusedError(f"cannot reach {peer} ({protocol})")
+        if self.net.lost(self.me, peer):
+            raise ConnectionResetError(f"the connection to {peer} was lost")
         to_server, to_client = asyncio.StreamReader(), asyncio.StreamReader()
         server_writer = _PipeWriter(to_client, self.net, peer, self.me)
-        task = asyncio.create_task(remote._servers[protocol].handle(self.me, to_server, server_writer))
+        task = asyncio.create_task(remote._servers[protocol].handle(self.me, to_server, server_writer,
+                                                                    self.net.addrs.get(self.me, "")))
         remote._tasks.add(task)
         task.add_done_callback(remote._tasks.discard)
         return to_client, _PipeWriter(to_server, self.net, self.me, peer)
@@ -170,6 +273,12 @@ class MemoryLink:
 
     async def own_addrs(self) -> list[str]:
         return [self.net.addrs[self.me]]
+
+    async def connected(self) -> list[str]:
+        return self.net.connected(self.me)
+
+    async def connects(self, host: str, port: int, timeout: float) -> bool:
+        return self.net.connects(self.me, host, port)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -25,6 +25,7 @@ from hivetrain.dht.identity import PEER_ID_RE
 from hivetrain.peer.errors import PeerError
 
 MAGIC = b"HTW3"
+ZERO = "0" * 64  # "no state": the parent and link of a run's initial state, the base of an announcement made before it was known
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 16 * 1024
 MAX_GROUP = 64  # members of one group, and peer ids in one list

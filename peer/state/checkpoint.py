@@ -10,9 +10,11 @@ this guards against accidents, not against someone who can rewrite the file. A `
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import os
 import struct
+from collections.abc import Callable
 from typing import IO
 
 import msgpack
@@ -36,6 +38,25 @@ def write(path: str, snapshot: Snapshot) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class Writer:
+    """Writes each snapshot given to ``path``, off the caller's thread, one at a time and in order
+    (a snapshot is immutable). A failed write (a full disk) is said through ``log`` every time it
+    happens; training goes on."""
+
+    def __init__(self, path: str, log: Callable[[str], None]):
+        self.path, self.log = path, log
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+
+    def __call__(self, snapshot: Snapshot) -> None:
+        self._pool.submit(self._write, snapshot)
+
+    def _write(self, snapshot: Snapshot) -> None:
+        try:
+            write(self.path, snapshot)
+        except OSError as e:
+            self.log(f"warning: could not write the checkpoint ({e})")
 
 
 def read(path: str, numel: int) -> Snapshot | None:

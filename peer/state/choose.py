@@ -59,7 +59,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hivetrain.peer.averaging.sybil import first_prefix
+from hivetrain.peer.net.prefixes import first_prefix
 
 ROUND_SLACK = 2  # rounds a peer may be ahead of us regardless of time (a round in flight, clock skew)
 MAX_PER_STATE = 32  # attesters of one state a joiner contacts

@@ -19,18 +19,23 @@ claim, never more. What a claim is worth is fork choice's business.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import time
 from collections.abc import Callable
 from typing import Any
 
+from hivetrain.dht import clock
 from hivetrain.dht.errors import DHTError, InvalidRecord
+from hivetrain.dht.facade import DHTFacade, FutureLike
 from hivetrain.dht.identity import Identity
-from hivetrain.dht.node import DHT
 from hivetrain.dht.records import Envelope, decode_bound, encode_payload, heartbeat_key
+from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import PeerError
 from hivetrain.peer.state.choose import Attestation, State
 from hivetrain.peer.state.snapshot import Snapshot
+
+
+def heartbeat_ttl(spec: RunSpec) -> float:
+    """Seconds a heartbeat lives in the DHT: two rounds' worth of waiting, plus a minute."""
+    return 2 * (spec.matchmaking_timeout + spec.allreduce_timeout) + 60
 
 
 def attestation_fields(snapshot: Snapshot) -> dict[str, Any]:
@@ -45,10 +50,10 @@ def heartbeat_envelope(identity: Identity, run_key: str, ttl: float, **fields: A
     if fields["peer_id"] != identity.peer_id:
         raise InvalidRecord("a heartbeat may only name the peer that signs it")
     payload = encode_payload("hb", fields)
-    return Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, time.time() + ttl)
+    return Envelope.sign(identity, "hb", heartbeat_key(run_key), payload, clock.wall() + ttl)
 
 
-def publish_heartbeat(dht: DHT, identity: Identity, run_key: str, ttl: float, **fields: Any) -> None:
+def publish_heartbeat(dht: DHTFacade, identity: Identity, run_key: str, ttl: float, **fields: Any) -> None:
     dht.store(heartbeat_envelope(identity, run_key, ttl, **fields))
 
 
@@ -60,9 +65,9 @@ class HeartbeatPublisher:
     heartbeat supersedes a pending older one; a failed store is reported through ``warn``.
     ``identity`` must be the DHT's own (the libp2p id), or readers refuse the heartbeats."""
 
-    def __init__(self, dht: DHT, identity: Identity, run_key: str, ttl: float, warn: Callable[[str], None]):
+    def __init__(self, dht: DHTFacade, identity: Identity, run_key: str, ttl: float, warn: Callable[[str], None]):
         self.dht, self.identity, self.run_key, self.ttl, self.warn = dht, identity, run_key, ttl, warn
-        self._pending: concurrent.futures.Future[bool] | None = None
+        self._pending: FutureLike | None = None
         self.extra: dict[str, Any] = {}  # fields every heartbeat carries (``reach``: how others reach us)
 
     def __call__(self, **fields: Any) -> None:
@@ -73,19 +78,29 @@ class HeartbeatPublisher:
             return
         if self._pending is not None:
             self._pending.cancel()
-        self._pending = self.dht.submit(asyncio.wait_for(self.dht.astore(envelope), self.dht.options.timeout))
+        self._pending = self.dht.submit(asyncio.wait_for(self.dht.astore(envelope), self.dht.timeout))
         self._pending.add_done_callback(self._report)
 
-    def _report(self, future: concurrent.futures.Future[bool]) -> None:
+    def _report(self, future: FutureLike) -> None:
         if not future.cancelled() and (e := future.exception()) is not None:
             self.warn(f"warning: heartbeat not published ({type(e).__name__})")
 
 
-def read_heartbeats(dht: DHT, run_key: str) -> list[dict[str, Any]]:
+def read_heartbeats(dht: DHTFacade, run_key: str) -> list[dict[str, Any]]:
     """The run's heartbeats whose ``peer_id`` is their signer's (training thread; raises DHTError
     on a DHT timeout). Heartbeats that break the schema or speak for another peer are skipped."""
+    return _bound(dht.get(heartbeat_key(run_key)))
+
+
+async def aread_heartbeats(dht: DHTFacade, run_key: str) -> list[dict[str, Any]]:
+    """``read_heartbeats`` on the DHT's loop; raises TimeoutError past the DHT's timeout."""
+    async with asyncio.timeout(dht.timeout):
+        return _bound(await dht.aget(heartbeat_key(run_key)))
+
+
+def _bound(envelopes: list[Envelope]) -> list[dict[str, Any]]:
     out = []
-    for envelope in dht.get(heartbeat_key(run_key)):
+    for envelope in envelopes:
         try:
             out.append(decode_bound("hb", envelope))
         except InvalidRecord:

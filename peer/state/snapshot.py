@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from hivetrain.peer.errors import StateMismatch
+from hivetrain.peer.net.wire import ZERO
 
 PIECE_SIZE = 1 << 20  # bytes per piece (1 MiB); a multiple of 4, so every piece holds whole fp32 values
 DIGEST_LEN = 32
 HASH_THREADS = 2  # threads hashing a snapshot's pieces
 MAX_NUMEL = 1 << 34  # sanity cap on the parameter count a peer will believe
-ZERO = "0" * 64  # parent and link of the initial state
 VOID_LINK = hashlib.sha256(b"void").hexdigest()  # the link of a state produced by a void round
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

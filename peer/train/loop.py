@@ -1,13 +1,13 @@
 """The DiLoCo loop of one peer: H inner steps, pseudo-gradient, group all-reduce, outer step.
 
-Runs on the training thread. Everything network-related goes through the ``Averager`` seam and
-the ``heartbeat`` callback; a failed round is void and handled in exactly one place.
+Runs on the training thread. The objective is a ``Learner`` (peer/train/learner.py: a language
+model for a real peer, a quadratic in the simulator); everything network-related goes through the
+``Averager`` seam, the ``StateHooks`` and the ``heartbeat`` callback; a failed round is void and
+handled in exactly one place. Time is read through dht/clock.py (virtual in the simulator).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
 import threading
@@ -15,22 +15,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO, cast
+from typing import Any, Protocol, TextIO
 
 import torch
 from torch import nn
 
+from hivetrain.dht import clock
 from hivetrain.peer.averaging.api import Averager, Finished, Pending, begin_now
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.errors import ConfigError, RoundFailed, StateMismatch
+from hivetrain.peer.errors import RoundFailed, StateMismatch
 from hivetrain.peer.state.heartbeats import attestation_fields
 from hivetrain.peer.state.snapshot import Snapshot
-from hivetrain.peer.train import speed
-from hivetrain.peer.train.data import Corpus, ShardSampler, eval_batches, evaluate
+from hivetrain.peer.train.data import Corpus
 from hivetrain.peer.train.diloco import OuterState, copy_flat_to_params, copy_params_to_flat, state_hash
-from hivetrain.peer.train.model import Llama, build_model
-from hivetrain.peer.train.schedule import set_inner_lr
+from hivetrain.peer.train.learner import Learner, LMLearner
 from hivetrain.peer.trust import Trust
 
 
@@ -57,7 +56,7 @@ class StateHooks(Protocol):
     def wait_for_end(self, round_: int, peers: tuple[str, ...], until: float) -> list[str]:
         """After a round we voided or trained alone: waits until each of ``peers`` announces a
         state past ``round_`` (how the round ended for it), at most until ``until``
-        (``time.monotonic()``); returns those that did not."""
+        (``clock.now()``); returns those that did not."""
         ...
 
     def peers_seen(self) -> int | None:
@@ -97,17 +96,19 @@ class MetricsWriter:
 
 @dataclass(frozen=True)
 class TrainerParts:
-    """What the loop needs, built by the caller (the CLI) and passed in."""
+    """What the loop needs, built by the caller (peer/assembly.py, or a test) and passed in."""
 
     spec: RunSpec
     peer_id: str
-    corpus: Corpus
+    corpus: Corpus | None  # the data of the default learner (unused when ``learner`` is given)
     averager: Averager
     metrics: MetricsWriter
     behaviour: Behaviour = HONEST  # faults are injected here (peer/faults.py); the honest peer by default
     state: StateHooks | None = None
     trust: Trust | None = None  # the earned-trust ledger the averager and fork choice read; we record into it
     model: nn.Module | None = None  # a Hugging Face model (peer/train/hf.py); None: build the spec's built-in model
+    learner: Learner | None = None  # the objective; None: a language model on ``corpus`` (LMLearner)
+    pause: Callable[[float], None] = time.sleep  # how the training thread waits (the simulator's takes virtual time)
 
 
 class Trainer:
@@ -115,35 +116,23 @@ class Trainer:
                  log: Callable[[str], None] = print, heartbeat: Callable[..., None] | None = None,
                  micro_batch: int = 0, checkpointing: bool = False, compile: bool = False):
         spec = parts.spec
-        self.parts, self.spec, self.device, self.log = parts, spec, torch.device(device), log
-        if micro_batch and spec.batch_size % micro_batch:
-            raise ConfigError(f"--micro-batch {micro_batch} does not divide the run's batch of {spec.batch_size}")
-        self.micro_batch = micro_batch or spec.batch_size  # gradient accumulation in pieces of this many sequences
+        self.parts, self.spec, self.log = parts, spec, log
         self.heartbeat = heartbeat or (lambda **kw: None)
-        model = parts.model if parts.model is not None else build_model(spec.model, spec.init_seed)
-        self.model = model.to(self.device)
-        if checkpointing:  # activations recomputed block by block in the backward pass: memory for compute
-            inner = getattr(self.model, "inner", None)
-            if inner is not None:
-                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                cast(Llama, self.model).checkpointing = True
-        # the module the inner steps call: compiled on request (same parameters; evaluation stays eager)
-        self.step_model: Callable[..., Any] = torch.compile(self.model) if compile else self.model
+        if parts.learner is not None:
+            self.learner: Learner = parts.learner
+        else:
+            if parts.corpus is None:
+                raise ValueError("a Trainer needs a corpus or a learner")
+            self.learner = LMLearner(spec, parts.peer_id, parts.corpus, parts.model, device, eval_batch_count,
+                                     micro_batch, checkpointing, compile)
+        self.model = self.learner.model
         self.outer = OuterState(self.model, spec.outer_lr, spec.outer_momentum, spec.outer_nesterov)
-        self.inner_opt = torch.optim.AdamW(  # fused into one kernel per step on a GPU
-            self.model.parameters(), lr=spec.inner_lr, weight_decay=spec.inner_weight_decay, betas=(0.9, 0.95),
-            fused=self.device.type == "cuda")
-        self.peak = speed.peak_bf16(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        seed = int.from_bytes(hashlib.sha256(parts.peer_id.encode()).digest()[:8], "little")
-        self.sampler = ShardSampler(parts.corpus.train, spec.seq_len, spec.batch_size, seed)
-        self.eval_set = eval_batches(parts.corpus.heldout, spec.seq_len, spec.batch_size, eval_batch_count)
         self.numel = self.outer.numel
         # a run that names its start (a Hugging Face model): weights that are not it (none, or another copy)
         # hold no state of the run, which then comes by sync first (take_run_state)
         self.held = not spec.init_hash or self.outer.hash() == spec.init_hash
         self.max_rounds = 0  # the run's round this process stops at (0: never); set by ``run``
-        self._mark = time.perf_counter()  # when the previous round record was written (or training started)
+        self._mark = clock.now()  # when the previous round record was written (or training started)
         self._cpu_mark = time.process_time()  # the process's CPU time then
         self._computed = 0.0  # seconds of inner steps since the previous round record
         self._compute_estimate = 0.0  # how long the last inner steps took: the ETA we announce
@@ -157,37 +146,12 @@ class Trainer:
                        "rounds_void": 0, "ddp_equivalent_bytes": 0}
 
     def _eval(self) -> float | None:
-        return evaluate(self.model, self.eval_set, self.device) if self.eval_set else None
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.learner.evaluate()
 
     def inner_steps(self) -> tuple[float, float]:
-        """H AdamW steps from the current parameters; returns (mean train loss, tokens per second)."""
-        self.model.train()
-        total, t0 = 0.0, time.perf_counter()
-        pieces = self.spec.batch_size // self.micro_batch
+        """H inner steps from the current parameters; returns (mean train loss, tokens per second)."""
         first = self.outer.round * self.spec.sync_every  # the run's inner step (peer/train/schedule.py)
-        for i in range(self.spec.sync_every):
-            set_inner_lr(self.inner_opt, self.spec, first + i)
-            x, y = self.sampler.next_batch()  # (B, T) each
-            for xs, ys in zip(x.split(self.micro_batch), y.split(self.micro_batch), strict=True):
-                with self._autocast():
-                    _, piece_loss = self.step_model(xs.to(self.device, non_blocking=True),
-                                                    ys.to(self.device, non_blocking=True))
-                assert piece_loss is not None
-                (piece_loss / pieces).backward()  # equal pieces: the gradient of the whole batch's mean loss
-                total += float(piece_loss.detach()) / pieces
-            if self.spec.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
-            self.inner_opt.step()
-            self.inner_opt.zero_grad(set_to_none=True)
-            self.progress(phase="computing", step=i + 1, steps=self.spec.sync_every, loss=total / (i + 1))
-        seconds = time.perf_counter() - t0
-        tokens = self.spec.sync_every * self.spec.batch_size * self.spec.seq_len
-        return total / self.spec.sync_every, tokens / max(seconds, 1e-9)
+        return self.learner.inner_steps(first, self.progress)
 
     def run(self, max_rounds: int, until_round: int = 0) -> dict[str, Any]:
         """Trains ``max_rounds`` rounds (0: no limit), counted from the round this process starts
@@ -204,7 +168,7 @@ class Trainer:
                  + (", rounds overlapped (all-reduce during the next round's inner steps)"
                     if self.spec.overlap != "none" else ""))
         self._committed(0.0, None, initial)
-        self._mark, self._cpu_mark = time.perf_counter(), time.process_time()
+        self._mark, self._cpu_mark = clock.now(), time.process_time()
         if self.spec.overlap != "none":
             self.run_overlapped(max_rounds)
         else:
@@ -227,18 +191,18 @@ class Trainer:
         peers (fork choice as a joiner, our own state without a vote) before training."""
         if self.parts.state is None:
             raise StateMismatch("this peer has no weights of the run's start and no peers to take them from")
-        deadline = time.monotonic() + self._boundary_wait  # (a catch_up's reads and download count too)
+        deadline = clock.now() + self._boundary_wait  # (a catch_up's reads and download count too)
         self.log(f"our weights are not the run's start ({self.spec.init_hash[:12]}): taking the run's state from its "
                  "peers first")
         while True:
             self.catch_up()
             if self.held:
                 return
-            if time.monotonic() >= deadline:
+            if clock.now() >= deadline:
                 raise StateMismatch(f"no peer of the run served its state within {self._boundary_wait:.0f} s; start "
                                     "a peer that has the run's initial weights (the same --model folder with its "
                                     "*.safetensors)")
-            time.sleep(2.0)
+            self.parts.pause(2.0)
 
     def resume(self, snapshot: Snapshot) -> None:
         """Starts from a verified local checkpoint (its lineage included); the first ``catch_up``
@@ -254,7 +218,7 @@ class Trainer:
         r, peers, until = self._awaiting
         self._awaiting = (-1, (), 0.0)
         self.progress(phase="checking the run's state", round=self.outer.round)
-        if peers and until > time.monotonic():
+        if peers and until > clock.now():
             self.progress(phase="waiting for the round's outcome")
             # tell them we are coming to the next round (base not known yet): their matchmaking waits for
             # us a while, else in short rounds they decide it before our wait ends; our announcement with
@@ -263,12 +227,12 @@ class Trainer:
                 self._announce(self.outer.round, None)
             # we voided or went alone while these peers may be completing the round without us: choosing
             # before they publish how it ended, we would train the next round on a lineage they left
-            self.log(f"round {r}: waiting up to {until - time.monotonic():.0f} s for {len(peers)} peer(s) of the round "
+            self.log(f"round {r}: waiting up to {until - clock.now():.0f} s for {len(peers)} peer(s) of the round "
                      "to say how it ended for them, before choosing our state")
             missing = self.parts.state.wait_for_end(r, peers, until)
             if missing:
                 self.log(f"round {r}: {len(missing)} of them did not say: {', '.join(p[:16] for p in missing)}")
-        t0 = time.perf_counter()
+        t0 = clock.now()
         # a joiner's first sync lands inside the others' round, which it will not train (it waits for
         # their next boundary, below): it announces nothing; any later sync it does announce
         trusted = self.parts.trust is not None and self.parts.trust.has_history(self.outer.round)
@@ -293,7 +257,7 @@ class Trainer:
         loaded_hash = state_hash(self.outer.round, params, self.outer.momentum, self.outer.parent, self.outer.link)
         self.parts.metrics.write({"event": "sync", "round": snapshot.round, "state_hash": loaded_hash,
                                   "from_round": from_round, "from_hash": from_hash, "eval_loss": eval_loss,
-                                  "seconds": time.perf_counter() - t0, **info})
+                                  "seconds": clock.now() - t0, **info})
         self.log(f"synced to round {snapshot.round}, state {snapshot.hash[:12]}, held-out {_fmt(eval_loss)}")
         self._committed(0.0, None, eval_loss)
         if info.get("joiner") and not self._joined:
@@ -319,7 +283,7 @@ class Trainer:
         r, base = self.outer.round, self.outer.hash()
         self._announce(r, base)
         record, delta = self._compute(r, base, self.outer.pseudo_gradient)
-        t1 = time.perf_counter()
+        t1 = clock.now()
         return self._finish(record, self._share(record, delta, begin=False), t1)
 
     def run_overlapped(self, max_rounds: int) -> None:
@@ -352,7 +316,7 @@ class Trainer:
 
                 record, delta = self._compute(upcoming, "", make_delta)
             if pending is not None:
-                t1 = time.perf_counter()
+                t1 = clock.now()
                 done, inflight = pending
                 self._finish(done, inflight, t1, drain=not computing)
             if not computing:
@@ -372,17 +336,17 @@ class Trainer:
 
     def _compute(self, r: int, base: str, make_delta: Callable[[nn.Module], torch.Tensor]
                  ) -> tuple[dict[str, Any], torch.Tensor]:
-        t0 = time.perf_counter()
+        t0 = clock.now()
         train_loss, tokens_per_s = self.inner_steps()
         delta = make_delta(self.model)
-        seconds = time.perf_counter() - t0
+        seconds = clock.now() - t0
         self._compute_estimate = seconds
         self._computed += seconds
         self.totals["inner_steps"] += self.spec.sync_every
         record: dict[str, Any] = {"event": "round", "round": r, "base_hash": base, "inner_steps": self.spec.sync_every,
                                   "train_loss": train_loss if math.isfinite(train_loss) else None,
                                   "tokens_per_s": tokens_per_s, "delta_compute_s": seconds,
-                                  "mfu": speed.mfu(self.numel, tokens_per_s, self.peak)}
+                                  "mfu": self.learner.mfu(tokens_per_s)}
         if not math.isfinite(train_loss):
             record["why"] = f"training loss became {train_loss} in round {r}; our pseudo-gradient is not shared"
         return record, delta
@@ -391,7 +355,7 @@ class Trainer:
         """Averages ``delta`` (``begin``: in the background), or voids at once a round whose loss went bad."""
         r, base = record["round"], record["base_hash"]
         if record["train_loss"] is None:
-            self.inner_opt.state.clear()  # its moments are poisoned too: start them afresh
+            self.learner.reset()  # its moments are poisoned too: start them afresh
             return Finished(RoundFailed(record["why"]))
         if begin:
             return self.parts.averager.begin(r, base, delta)
@@ -424,7 +388,7 @@ class Trainer:
             record.update(void=False, why=None, group_size=len(result.group), group=list(result.group),
                           bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                           excluded=result.excluded, void_shards=[list(v) for v in result.void_ranges], **result.stats)
-        now = time.perf_counter()
+        now = clock.now()
         record.setdefault("matchmaking_s", None)
         record.setdefault("allreduce_s", None)
         record["idle_s"] = now - t1  # the training thread waited for the network (and the outer step)
@@ -439,7 +403,7 @@ class Trainer:
         eval_loss = self._eval() if self._eval_due() else None
         state = self.outer.hash()
         self._made_with = (state, tuple(record["group"]) if record["group_size"] > 1 else ())
-        record.update(state_hash=state, eval_loss=eval_loss, eval_s=time.perf_counter() - now)
+        record.update(state_hash=state, eval_loss=eval_loss, eval_s=clock.now() - now)
         self.parts.metrics.write(record)
         self._committed(record["tokens_per_s"], record["train_loss"], eval_loss)
         self.progress(group=record["group_size"], tokens_per_s=record["tokens_per_s"], loss=record["train_loss"])

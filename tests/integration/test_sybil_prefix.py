@@ -1,4 +1,4 @@
-"""observed_addrs / observed_prefixes against two real p2pd daemons on 127.0.0.1."""
+"""observed_addrs (peer/net/libp2p.py) and the prefixes it gives, against two real p2pd daemons on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from multiaddr import Multiaddr
 
-from hivetrain.peer.averaging.sybil import observed_addrs, observed_prefixes
+from hivetrain.peer.net.libp2p import observed_addrs
+from hivetrain.peer.net.prefixes import first_prefix
 
 from .daemons import two_daemons
 
@@ -23,7 +24,7 @@ async def _observe() -> dict[str, Any]:
             "b_sees_a": (await observed_addrs(b, [a_id, STRANGER]))[a_id],
             "a_sees_b": (await observed_addrs(a, [b_id]))[b_id],
             "b_stranger": (await observed_addrs(b, [STRANGER]))[STRANGER],
-            "prefixes": await observed_prefixes(b, [a_id, STRANGER]),
+            "prefixes": {p: first_prefix(a) for p, a in (await observed_addrs(b, [a_id, STRANGER])).items()},
             "a_id": a_id,
         }
 

@@ -187,7 +187,7 @@ def test_seventy_fake_ready_records_and_a_fake_member_list_do_not_stop_the_hones
     class Liar:
         """Answers every view request with 64 members it made up, itself and the asker."""
 
-        def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Any:
+        def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
             members = sorted({f.peer_id for f in fakes[:61]} | {liar.identity.peer_id, sender})
             return liar.header("view_reply", header["round"], header["base"], members=members, excluded=[],
                                decided=False, ready=True, closed=False), b""
@@ -401,7 +401,7 @@ def test_a_ready_peer_that_never_answers_views_costs_one_view_timeout() -> None:
     staller = Outsider(swarm)
 
     class Silent:
-        def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Any:
+        def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
             class Never:
                 deadline = 0.0
 

@@ -165,7 +165,7 @@ def test_ddp_and_diloco_share_initialisation_and_data_order(corpus: Corpus) -> N
     torch.testing.assert_close(_flat(ddp.model), _flat(diloco.model), rtol=0, atol=0)
     for sampler, trainer in zip(ddp.samplers, diloco.trainers, strict=True):
         for _ in range(3):
-            (x1, y1), (x2, y2) = sampler.next_batch(), trainer.sampler.next_batch()
+            (x1, y1), (x2, y2) = sampler.next_batch(), trainer.learner.sampler.next_batch()  # type: ignore[attr-defined]
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert not torch.equal(ddp.samplers[0].next_batch()[0], ddp.samplers[1].next_batch()[0])
     assert worker_seed(0, 1) != worker_seed(1, 0)

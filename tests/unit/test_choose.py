@@ -354,7 +354,7 @@ def test_vote_keys() -> None:
 def test_a_dht_timeout_at_a_round_boundary_keeps_our_state_and_training() -> None:
     """A heartbeat read past its deadline used to escape catch_up and stop the peer."""
     from hivetrain.dht.errors import DHTTimeout
-    from hivetrain.peer.state.sync import StateKeeper
+    from hivetrain.peer.state.keeper import StateKeeper
     from hivetrain.peer.trust import Trust
 
     class SlowDHTSync:

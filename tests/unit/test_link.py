@@ -41,7 +41,7 @@ class Sink:
     bodies: list[bytes] = field(default_factory=list)
     hold: asyncio.Event | None = None  # when set: complete() waits for it (a slow handler)
 
-    def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         if body_len != self.size:
             return ack(Code.WRONG_SIZE, f"{body_len} != {self.size}")
         sink = self
@@ -183,7 +183,7 @@ def test_unreachable_peer_raises() -> None:
 
 def test_done_ticket_answers_body_less_messages() -> None:
     class Echo(Sink):
-        def admit(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+        def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
             return Done(ack(Code.OK, sender))
 
     async def go() -> Reply:

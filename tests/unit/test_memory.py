@@ -85,7 +85,7 @@ def test_a_compiled_inner_loop_trains_like_the_eager_one() -> None:
     eager = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None)
     compiled = Trainer(TrainerParts(spec, "p", corpus, _NoAverager(), MetricsWriter(None)), log=lambda s: None,
                        compile=True)
-    assert compiled.step_model is not compiled.model
+    assert compiled.learner.step_model is not compiled.model  # type: ignore[attr-defined]
     assert abs(eager.inner_steps()[0] - compiled.inner_steps()[0]) < 1e-4
     for a, b in zip(eager.model.parameters(), compiled.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)

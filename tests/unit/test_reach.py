@@ -6,6 +6,7 @@ import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from multiaddr import Multiaddr
@@ -13,7 +14,12 @@ from multiaddr import Multiaddr
 from hivetrain.dht.diagnose import diagnose
 from hivetrain.dht.errors import BootstrapError
 from hivetrain.peer import reach
+from hivetrain.peer.averaging.simulation import LoopThread
+from hivetrain.peer.net import dialback
 from hivetrain.peer.net.dialback import DIRECT, OUTBOUND_ONLY, UNKNOWN, Verdict
+from hivetrain.peer.net.link import Server
+from hivetrain.peer.net.memory import MemoryNetwork
+from hivetrain.peer.net.wire import Code
 from hivetrain.peer.reach import Reachability, describe
 
 PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
@@ -80,38 +86,58 @@ def test_the_join_line_offers_a_public_address_then_a_lan_one_never_loopback_fir
     assert reach.best_address([]) is None
 
 
-class _FakeDHT:
-    """Returns scripted dial-back verdicts instead of asking peers."""
+class _Scripted:
+    """A peer's dial-back service that answers each check with the next scripted reply."""
 
-    def __init__(self, verdicts: list[Verdict]):
-        self.verdicts, self.p2p = list(verdicts), None
+    max_body = 0
 
-    def visible_maddrs(self) -> list[str]:
-        return ["/ip4/192.168.1.2/tcp/4040/p2p/x"]
+    def __init__(self, replies: list[tuple[bool, bool]]):
+        self.replies = list(replies)  # (checked, ok)
 
-    def run(self, coro, timeout):  # type: ignore[no-untyped-def]
-        coro.close()
-        return self.verdicts.pop(0)
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
+        checked, ok = self.replies.pop(0)
+        return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": ""}, b""
+
+    def refusal(self, header: dict[str, Any], code: Code, why: str) -> Any:
+        return {"type": "dialback_reply", "checked": False, "ok": False, "reason": why}, b""
+
+    def is_member(self, peer: str) -> bool:
+        return False
+
+
+def _reachability(replies: list[tuple[bool, bool]] | None, said: list[str], changes: list[str]
+                  ) -> tuple[Reachability, LoopThread]:
+    """Us at port 4040, and (unless ``replies`` is None) one connected peer answering as scripted."""
+    loop, net = LoopThread(), MemoryNetwork()
+    me = net.link("me", "/ip4/192.168.1.2/tcp/4040")
+    if replies is not None:
+        other = net.link("other", "/ip4/192.168.1.3/tcp/4041")
+        loop.run(other.serve(dialback.PROTOCOL, Server(_Scripted(replies))), 5)
+        assert net.dial("me", "other")  # the connection the check asks over
+    return Reachability(me, loop, said.append, lambda v: changes.append(v.mode)), loop
 
 
 def test_reachability_asks_again_when_nobody_answered_and_says_it_in_plain_words() -> None:
     said: list[str] = []
     changes: list[str] = []
-    nobody = Verdict(UNKNOWN, (), (4040,), asked=1)
-    closed = Verdict(OUTBOUND_ONLY, (("p", False),), (4040,), asked=1)
-    r = Reachability(_FakeDHT([nobody, closed]), said.append, lambda v: changes.append(v.mode))
-    assert r.first_check(pause=0.0).mode == OUTBOUND_ONLY
-    assert changes == [OUTBOUND_ONLY]
-    assert said[0].startswith("reachability: behind NAT: joined as an outbound-only member") and "4040" in said[0]
-    # a later check that nobody answers keeps what we knew
-    r.dht = _FakeDHT([Verdict(UNKNOWN, (), (4040,), asked=2)])
-    assert r.check().mode == OUTBOUND_ONLY and changes == [OUTBOUND_ONLY]
+    r, loop = _reachability([(False, False), (True, False), (False, False)], said, changes)
+    try:
+        assert r.first_check(pause=0.0).mode == OUTBOUND_ONLY  # not checked the first time: asked again
+        assert changes == [OUTBOUND_ONLY]
+        assert said[0].startswith("reachability: behind NAT: joined as an outbound-only member") and "4040" in said[0]
+        # a later check that nobody answers keeps what we knew
+        assert r.check().mode == OUTBOUND_ONLY and changes == [OUTBOUND_ONLY]
+    finally:
+        loop.close()
 
 
 def test_the_first_peer_of_a_run_says_it_does_not_know_yet() -> None:
     said: list[str] = []
-    r = Reachability(_FakeDHT([Verdict(UNKNOWN, (), (4040,), asked=0)]), said.append, lambda v: None)
-    assert r.first_check(pause=0.0).mode == UNKNOWN
+    r, loop = _reachability(None, said, [])
+    try:
+        assert r.first_check(pause=0.0).mode == UNKNOWN
+    finally:
+        loop.close()
     assert said == ["reachability: not known yet (no peer to check with); acting as reachable, checking again as "
                     "peers join"]
     assert describe(Verdict(DIRECT, (("a", True), ("b", True)), (31337,), 2)) == (

@@ -58,13 +58,13 @@ def test_the_trainer_steps_with_the_rate_of_the_runs_step() -> None:
     spec = RunSpec.from_preset("s", "tiny", sync_every=2, batch_size=2, seq_len=32, inner_warmup=4)
     trainer = make_trainer(spec, load_sotu(min_tokens=128), "w0")
     seen: list[float] = []
-    step = trainer.inner_opt.step
+    step = trainer.learner.inner_opt.step
 
     def spy() -> None:
-        seen.append(trainer.inner_opt.param_groups[0]["lr"])
+        seen.append(trainer.learner.inner_opt.param_groups[0]["lr"])
         step()
 
-    trainer.inner_opt.step = spy  # type: ignore[method-assign]
+    trainer.learner.inner_opt.step = spy  # type: ignore[method-assign]
     trainer.inner_steps()  # round 0: the run's steps 0 and 1
     trainer.outer.round = 1  # a peer that joined at round 1 goes on from the run's step 2
     trainer.inner_steps()

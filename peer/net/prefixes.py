@@ -1,16 +1,18 @@
-"""Two Sybil brakes for group formation and averaging: a per-network-prefix cap and probation.
+"""Network prefixes: which peers count as one operator (the Sybil cap of groups, a joiner's votes).
 
 **Prefix cap.** Peers seen at addresses in one IPv4 /24 or IPv6 /48 count as one operator; a group
-keeps at most ``cap`` of them (``cap_by_prefix``). The address is the remote end of the libp2p
-connection our own daemon holds (``observed_prefixes``), not anything the peer announces, so a
+keeps at most ``cap`` of them (``cap_by_prefix``), and a joiner counts one vote per prefix
+(peer/state/choose.py). The address is the remote end of the connection our own transport holds
+(``Link.observed_addrs``), not anything the peer announces, so a
 peer cannot choose it short of really sending from another network. Loopback, private (RFC 1918,
 RFC 6598 shared space, fc00::/7), link-local and unspecified addresses are exempt: tests and LAN
 setups use them, and a remote attacker cannot make a public peer see it at such an address.
 Relayed (``/p2p-circuit``) and non-IP addresses are exempt too, see ``prefix_of``.
 
-**Probation** (peer/trust.py): a peer we have never completed an all-reduce with gets weight 0 in
-the shards we reduce (``reduce.probation_claims``) and is kept a minority of our groups
-(``views.Caps``), once we have a history of our own. A node without history trusts everyone.
+The second Sybil brake is **probation** (peer/trust.py): a peer we have never completed an
+all-reduce with gets weight 0 in the shards we reduce (``reduce.probation_claims``) and is kept a
+minority of our groups (``views.Caps``), once we have a history of our own. A node without history
+trusts everyone.
 
 What they do NOT stop:
 
@@ -26,28 +28,21 @@ What they do NOT stop:
 - Both brakes are local views. Two members may observe one peer at different addresses (LAN and
   public), and have different histories: the cap's choice is deterministic only given the same
   prefixes, so its drops belong in the monotone ``excluded`` set that views reconcile over.
-- The daemon call is fail-open: if it fails or times out, every peer's prefix is unknown (None)
-  and nobody is capped for that round.
+- The transport's answer is fail-open: if the daemon call fails or times out, every peer's prefix
+  is unknown (None) and nobody is capped for that round.
 - Neither brake judges the content of a contribution; robust aggregation does that.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from multiaddr import Multiaddr
 
-logger = logging.getLogger(__name__)
-
 IPV4_PREFIX = 24  # one typical customer / cloud allocation; a NAT's neighbours share it
 IPV6_PREFIX = 48  # the usual site allocation (RFC 6177); a /64 costs an attacker nothing
-OBSERVE_TIMEOUT = 5.0  # seconds for the daemon's connection list; it is local, so this is generous
 MAX_MADDR_CHARS = 1024  # longer strings are not addresses we parse (untrusted input)
-MAX_ADDRS_PER_PEER = 16  # connections listed per peer: bounds work if a peer opens many
 
 _EXEMPT_NETWORKS = tuple(
     ipaddress.ip_network(n)
@@ -136,40 +131,6 @@ def cap_by_prefix(
     return [p for p in members if p not in dropped], dropped
 
 
-async def observed_addrs(p2p: Any, peer_ids: Iterable[str]) -> dict[str, list[str]]:
-    """For each requested peer id (base58), the remote multiaddrs of our live connections to it.
-
-    ``p2p`` is a hivemind ``P2P``; its ``list_peers()`` returns the p2pd daemon's connection
-    list, one ``PeerInfo`` per connection whose single address is that connection's remote end
-    as our daemon sees it, e.g. ``/ip4/127.0.0.1/tcp/41235`` for a peer on this machine (an
-    inbound connection shows the peer's ephemeral source port). A peer we are not connected to
-    maps to []. Bounded by ``OBSERVE_TIMEOUT``; a daemon error or timeout is logged at debug
-    level and every peer maps to [] (fail-open, see the module docstring). Call on the loop
-    that owns ``p2p``.
-    """
-    out: dict[str, list[str]] = {p: [] for p in peer_ids}
-    try:
-        async with asyncio.timeout(OBSERVE_TIMEOUT):
-            infos = await p2p.list_peers()
-    except Exception as e:  # any daemon failure (incl. an address it cannot decode): advisory only
-        logger.debug("observed_addrs: list_peers failed: %s: %s", type(e).__name__, e)
-        return out
-    for info in infos:
-        try:
-            peer = info.peer_id.to_base58()
-            addrs = [str(a) for a in info.addrs]
-        except Exception as e:  # a malformed entry costs that entry only
-            logger.debug("observed_addrs: skipping a peer entry: %s: %s", type(e).__name__, e)
-            continue
-        seen = out.get(peer)
-        if seen is None:
-            continue
-        for addr in addrs:
-            if addr not in seen and len(seen) < MAX_ADDRS_PER_PEER:
-                seen.append(addr)
-    return out
-
-
 def first_prefix(addrs: Iterable[str]) -> str | None:
     """The prefix of the first non-exempt address, or None if all are exempt (or there are none)."""
     for addr in addrs:
@@ -177,9 +138,3 @@ def first_prefix(addrs: Iterable[str]) -> str | None:
         if prefix is not None:
             return prefix
     return None
-
-
-async def observed_prefixes(p2p: Any, peer_ids: Iterable[str]) -> dict[str, str | None]:
-    """Maps each requested peer id to ``first_prefix`` of ``observed_addrs``; never raises for
-    a daemon error (unknown peers map to None). Call on the loop that owns ``p2p``."""
-    return {peer: first_prefix(addrs) for peer, addrs in (await observed_addrs(p2p, peer_ids)).items()}

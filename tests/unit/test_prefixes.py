@@ -1,4 +1,5 @@
-"""Sybil brakes (peer/averaging/sybil.py): prefix_of, cap_by_prefix, observed_* against fake daemons."""
+"""Network prefixes (peer/net/prefixes.py): prefix_of, cap_by_prefix; and the daemon's view of our
+connections (peer/net/libp2p.py observed_addrs) against fake daemons."""
 
 from __future__ import annotations
 
@@ -12,15 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiaddr import Multiaddr
 
-from hivetrain.peer.averaging import sybil
-from hivetrain.peer.averaging.sybil import (
-    MAX_ADDRS_PER_PEER,
-    cap_by_prefix,
-    first_prefix,
-    observed_addrs,
-    observed_prefixes,
-    prefix_of,
-)
+from hivetrain.peer.net import libp2p
+from hivetrain.peer.net.libp2p import MAX_ADDRS_PER_PEER, observed_addrs
+from hivetrain.peer.net.prefixes import cap_by_prefix, first_prefix, prefix_of
 
 PID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PID2 = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
@@ -210,7 +205,12 @@ def test_cap_properties(pairs: list[tuple[str, str | None]], cap: int, salt: str
     assert set(kept2) == set(kept) and dropped2 == dropped
 
 
-# ---- observed_addrs / observed_prefixes against fake daemons --------------------------------------
+# ---- observed_addrs against fake daemons -----------------------------------------------------------
+
+
+async def observed_prefixes(p2p: Any, peers: list[str]) -> dict[str, str | None]:
+    """What the averager's caps and a joiner's votes make of the addresses: the first prefix."""
+    return {peer: first_prefix(addrs) for peer, addrs in (await observed_addrs(p2p, peers)).items()}
 
 
 class _Id:
@@ -272,13 +272,13 @@ def test_a_malformed_entry_costs_only_itself() -> None:
 @pytest.mark.parametrize("error", [ConnectionRefusedError("daemon gone"), ValueError("bad multiaddr bytes"),
                                    asyncio.IncompleteReadError(b"", 4), RuntimeError("control failure")])
 def test_a_daemon_error_is_not_raised(error: BaseException, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("DEBUG", logger="hivetrain.peer.averaging.sybil")
+    caplog.set_level("DEBUG", logger="hivetrain.peer.net.libp2p")
     assert asyncio.run(observed_prefixes(_FakeP2P(error=error), ["A", "B"])) == {"A": None, "B": None}
     assert "list_peers failed" in caplog.text
 
 
 def test_a_hanging_daemon_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sybil, "OBSERVE_TIMEOUT", 0.05)
+    monkeypatch.setattr(libp2p, "OBSERVE_TIMEOUT", 0.05)
 
     async def go() -> dict[str, list[str]]:
         return await asyncio.wait_for(observed_addrs(_FakeP2P(hang=True), ["A"]), timeout=5)

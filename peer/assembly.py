@@ -1,0 +1,116 @@
+"""One whole peer composed from its parts, the same way for a real peer and a simulated one.
+
+A real peer (peer/app.py) runs over hivemind's DHT and libp2p, trains a language model and keeps
+its checkpoints on disk; a simulated one (peer/sim/) runs over a simulated DHT and in-memory links,
+in virtual time, trains a quadratic and keeps its checkpoint in memory. What differs is gathered in
+``Seams``; everything built here is the same code: the averager, heartbeats, reachability, state
+serving and sync, fork choice and the training loop, around one trust ledger.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hivetrain.dht.facade import DHTFacade
+from hivetrain.kernels.error_feedback import ErrorFeedback
+from hivetrain.peer.averaging.averager import P2PAverager
+from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.ready import DHTReadyBoard
+from hivetrain.peer.config import RunSpec
+from hivetrain.peer.net import dialback
+from hivetrain.peer.net.link import Link
+from hivetrain.peer.reach import Reachability
+from hivetrain.peer.state.heartbeats import HeartbeatPublisher, attestation_fields, heartbeat_ttl
+from hivetrain.peer.state.keeper import StateKeeper
+from hivetrain.peer.state.serve import StateService
+from hivetrain.peer.state.snapshot import Snapshot
+from hivetrain.peer.state.sync import StateSync
+from hivetrain.peer.train.learner import Learner
+from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
+from hivetrain.peer.trust import Bans, Trust
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Seams:
+    """What a real peer and a simulated one do differently."""
+
+    dht: DHTFacade  # records, and the loop the network runs on
+    link: Link  # streams to other peers (its peer id is ``dht.identity``'s)
+    learner: Learner  # the objective
+    behaviour: Behaviour  # how this peer acts (honest, a fault, an attack)
+    save: Callable[[Snapshot], None] | None = None  # writes a checkpoint (None: none kept)
+    pause: Callable[[float], None] | None = None  # how the training thread waits (None: time.sleep)
+    rng: random.Random | None = None  # this peer's randomness (None: the OS's)
+
+
+class Peer:
+    """The parts of one peer of run ``run_key`` (construct on the training thread: it serves the
+    peer's protocols on the link before it returns; the dial-back check is served earlier, by the
+    caller, with ``serve_dialback``)."""
+
+    def __init__(self, seams: Seams, run_key: str, spec: RunSpec, metrics: MetricsWriter, say: Say):
+        dht, link, identity = seams.dht, seams.link, seams.dht.identity
+        self.spec, self.say = spec, say
+        numel = sum(p.numel() for p in seams.learner.model.parameters())
+        self.trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
+        ef = ErrorFeedback(numel) if spec.carries_residual else None
+        ctx = PeerContext(spec, numel, spec.codec(), link, identity, self.trust, Bans(), seams.behaviour, ef)
+        self.averager = P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
+        self.heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say)
+        self.reachability = Reachability(link, dht, say, self.reached)
+        self.service = StateService(spec.spec_hash().hex(), seams.behaviour)
+        dht.run(link.serve(self.service.protocol, self.service.server), timeout=10)
+        self.sync = StateSync(dht, link, self.service, run_key, numel, seams.rng)
+        self.keeper = StateKeeper(self.sync, self.trust, seams.save, timeout=spec.allreduce_timeout * 5,
+                                  min_round_s=spec.min_round_s, log=say)
+        self.keeper.announce = lambda round_, base: self.averager.announce(round_, base, None)
+        parts = TrainerParts(spec, identity.peer_id, None, self.averager, metrics, seams.behaviour, self.keeper,
+                             self.trust, learner=seams.learner, pause=seams.pause or time.sleep)
+        self.trainer = Trainer(parts, log=say, heartbeat=self.heartbeat)
+
+    def reached(self, verdict: dialback.Verdict) -> None:
+        """How others reach us changed: it takes effect at the next round's matchmaking."""
+        self.averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
+        self.heartbeat.extra["reach"] = verdict.mode
+
+    def run(self, saved: Snapshot | None, max_rounds: int, until_round: int = 0, wait_for_peers: int = 0,
+            wait_timeout: float = 120.0) -> dict[str, Any]:
+        """Trains (training thread) from ``saved`` (a verified local checkpoint) or the run's state,
+        ``max_rounds`` rounds or until the run's round ``until_round`` (0: no limit); first waits, at
+        most ``wait_timeout`` seconds, for ``wait_for_peers`` peers to show up. Returns the totals."""
+        self.reachability.first_check()
+        self.reachability.start()
+        trainer = self.trainer
+        if saved is not None:
+            trainer.resume(saved)
+        if not trainer.held:  # no weights of the run's start: its state from its peers, before anything else
+            trainer.take_run_state()
+        if wait_for_peers > 1:
+            snapshot = trainer.outer.snapshot()
+            self.keeper.committed(snapshot)  # served while we wait: a peer without the weights syncs it
+            self.heartbeat(**attestation_fields(snapshot), throughput=0.0, train_loss=None, eval_loss=None)
+            self.say(f"waiting for {wait_for_peers} peers (at most {wait_timeout:.0f} s)")
+            seen = self.keeper.wait_for_peers(wait_for_peers, wait_timeout)
+            self.averager.first_expected = set(sorted(self.keeper.present)[:64])  # start together: round 0
+            if seen < wait_for_peers:
+                self.say(f"warning: only {seen} of {wait_for_peers} peers showed up; starting anyway")
+        return trainer.run(max_rounds, until_round)
+
+    def stop(self) -> None:
+        self.reachability.stop()
+
+
+async def serve_dialback(link: Link, behaviour: dialback.Answering) -> dialback.DialBackService:
+    """Answers other peers' reachability checks on ``link`` (before anyone learns our address:
+    a joiner may check with us at once)."""
+    service = dialback.DialBackService(link, behaviour)
+    await link.serve(dialback.PROTOCOL, service.server)
+    return service
+
