@@ -13,6 +13,7 @@ the peer that served it.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import re
@@ -57,6 +58,7 @@ def parse_run_key(run_key: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+@functools.lru_cache(maxsize=16384)  # every read of a record key re-derives it: base58 is slow in Python
 def peer_id_of(public_key: bytes) -> str:
     """The base58 libp2p peer id of a raw Ed25519 public key (what p2pd prints as 12D3KooW...)."""
     if len(public_key) != PUBLIC_KEY_LEN:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -224,6 +225,10 @@ def decode_payload(kind: str, payload: bytes) -> dict[str, Any]:
     return check_payload(kind, strict_unpack(payload, MAX_PAYLOAD_BYTES))
 
 
+_BOUND: OrderedDict[tuple[str, str, bytes, bytes], dict[str, Any]] = OrderedDict()
+MAX_BOUND_CACHED = 8192  # decoded payloads kept: a board is re-read many times a round, its records unchanged
+
+
 def decode_bound(kind: str, envelope: Envelope) -> dict[str, Any]:
     """The verified payload of ``envelope``, a record of ``kind`` (one of ``BOUND_KINDS``).
 
@@ -232,8 +237,14 @@ def decode_bound(kind: str, envelope: Envelope) -> dict[str, Any]:
     is not the libp2p id of the key that signed it: one libp2p identity speaks only for itself."""
     if kind not in BOUND_KINDS or envelope.kind != kind:
         raise InvalidRecord(f"expected a {kind} record, got a {envelope.kind} record")
-    fields = decode_payload(kind, envelope.payload)
-    signer = peer_id_of(envelope.public_key)
-    if fields["peer_id"] != signer:
-        raise InvalidRecord(f"{kind} record names peer {fields['peer_id'][:60]} but is signed by {signer}")
-    return fields
+    key = (kind, envelope.kind, envelope.payload, envelope.public_key)  # all the outcome depends on
+    fields = _BOUND.get(key)
+    if fields is None:
+        fields = decode_payload(kind, envelope.payload)
+        signer = peer_id_of(envelope.public_key)
+        if fields["peer_id"] != signer:
+            raise InvalidRecord(f"{kind} record names peer {fields['peer_id'][:60]} but is signed by {signer}")
+        _BOUND[key] = fields
+        while len(_BOUND) > MAX_BOUND_CACHED:
+            _BOUND.popitem(last=False)
+    return dict(fields)

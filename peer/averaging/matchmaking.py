@@ -38,6 +38,7 @@ VIEW_ATTEMPTS = 3  # tries of one view request that fails fast (a dropped stream
 FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tried again
 RECONCILE_PAUSE = 0.05  # seconds before asking again when a sweep changed nothing
 AGREE_MIN = 2 * VIEW_TIMEOUT + 2.0  # seconds, at least, for the agreement after the window
+MAX_MEMO = 4096  # peers whose priority a round remembers (any peer can make us look one up)
 
 
 @dataclass
@@ -61,6 +62,11 @@ class Matchmaking:
         self.waited = 0.0  # seconds the window stayed open
         self.outlive = 0.0  # unix time our announcement of this round expires: our ready record must outlive it
         self._prefixes: dict[str, str | None] = {}
+        self._order = priority(round_, base, self._weight)
+        self._priorities: dict[str, tuple[float, bytes]] = {}  # memos of ``_order`` and probation, this round
+        self._newcomers: dict[str, bool] = {}
+        self._caps = Caps(me=ctx.me, priority=self._priority, newcomer=self._newcomer, prefixes=self._prefixes,
+                          max_per_prefix=ctx.spec.max_per_prefix, banned=ctx.bans.__contains__)
 
     # ---- handlers (called by the averager's dispatch, on the loop) --------------------------------
 
@@ -139,8 +145,7 @@ class Matchmaking:
             logger.debug("round %d: reading ready records failed: %r", self.view.round, e)
             return
         records = [r for r in records if r.spec == self.ctx.run and r.peer_id != self.ctx.me]
-        order = priority(self.view.round, self.view.base, self._weight)
-        records.sort(key=lambda r: order(r.peer_id))  # the caps keep the highest priority
+        records.sort(key=lambda r: self._priority(r.peer_id))  # the caps keep the highest priority
         self.seen.update(r.peer_id for r in records[:MAX_PENDING])
         pending: dict[str, float] = {}
         for r in records:
@@ -248,11 +253,26 @@ class Matchmaking:
     def _weight(self, peer: str) -> float:
         return self.ctx.trust.weight(peer, self.view.round)
 
+    def _priority(self, peer: str) -> tuple[float, bytes]:
+        """``views.priority`` of ``peer``, computed once per round (every view in and out sorts the
+        candidates by it; the ledger it reads changes between rounds, not within one)."""
+        known = self._priorities.get(peer)
+        if known is None:
+            if len(self._priorities) >= MAX_MEMO:
+                self._priorities.clear()
+            known = self._priorities[peer] = self._order(peer)
+        return known
+
+    def _newcomer(self, peer: str) -> bool:
+        known = self._newcomers.get(peer)
+        if known is None:
+            if len(self._newcomers) >= MAX_MEMO:
+                self._newcomers.clear()
+            known = self._newcomers[peer] = self.ctx.trust.on_probation(peer, self.view.round)
+        return known
+
     def caps(self) -> Caps:
-        round_ = self.view.round
-        return Caps(me=self.ctx.me, priority=priority(round_, self.view.base, self._weight),
-                    newcomer=lambda p: self.ctx.trust.on_probation(p, round_), prefixes=self._prefixes,
-                    max_per_prefix=self.ctx.spec.max_per_prefix, banned=self.ctx.bans.__contains__)
+        return self._caps
 
     async def _observe(self, peers: frozenset[str]) -> None:
         """The network prefix of each peer as our own connections see it (never what it claims)."""

@@ -34,6 +34,7 @@ the claim decides only what the group derives from it: closed members reduce and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class View:
         return True
 
 
+@functools.lru_cache(maxsize=65536)  # asked for every candidate at every board read and settle
 def rank(round_: int, base: str, peer: str) -> bytes:
     """A per-round hash rank: shared by all members, chosen by nobody (not even by joining late)."""
     return hashlib.sha256(f"rank/{round_}/{base}/{peer}".encode()).digest()

@@ -136,6 +136,7 @@ class Traffic:
     sent: int = 0
     received: int = 0
     by_kind: Counter[str] = field(default_factory=Counter)  # request type -> bytes both ways
+    requests: Counter[str] = field(default_factory=Counter)  # request type -> requests sent
 
     def count(self, kind: str, sent: int = 0, received: int = 0) -> None:
         self.sent += sent
@@ -149,30 +150,30 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
     returns the reply. A refusal is a reply too (an ``ack`` with its code). Raises TimeoutError past
     ``timeout`` seconds, ProtocolError for a malformed reply, OSError/IncompleteReadError (or the
     transport's own errors) if the peer cannot be reached or drops the stream."""
-    deadline = clock.now() + timeout
     head = encode_header(header, len(body))
     sent = 0  # bytes written, counted even when the exchange fails afterwards (a lost reply: they were sent)
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(timeout):  # bounds every step below (they set no deadline of their own)
             reader, writer = await link.open(peer, protocol, timeout)
             try:
                 writer.write(head)
                 await writer.drain()
                 sent = len(head)
                 if body:
-                    go, _ = await read_header(reader, max(0.01, deadline - clock.now()), max_body=0)
+                    go, _ = await read_header(reader, None, max_body=0)
                     if go.get("type") != "ack" or go["code"] != Code.CONTINUE:
                         return go, b""  # refused on the header: the body stays here
                     writer.write(body)
                     await writer.drain()
                     sent += len(body)
-                reply, reply_len = await read_header(reader, max(0.01, deadline - clock.now()), max_reply_body)
-                reply_body = await read_body(reader, reply_len, max(0.01, deadline - clock.now()))
+                reply, reply_len = await read_header(reader, None, max_reply_body)
+                reply_body = await read_body(reader, reply_len, None)
             finally:
                 writer.close()
     finally:
         if traffic is not None:
             traffic.count(header["type"], sent=sent)
+            traffic.requests[header["type"]] += 1
     if traffic is not None:
         traffic.count(header["type"], received=len(reply_body) + 64)
     return reply, reply_body

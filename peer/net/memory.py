@@ -5,8 +5,7 @@ so protocol tests and the simulator (peer/sim/) exercise exactly what peers run.
 world the peers live in, set from outside the protocol code, per peer:
 
 - ``rates`` / ``down``: uplink / downlink caps in bytes/s, each shared by all of that peer's streams
-  in turns of ``SLICE`` bytes (fair queuing, as Linux's default fq_codel shares a link); a byte
-  crosses the sender's uplink, then the receiver's downlink;
+  (first written, first carried); a byte crosses the sender's uplink, then the receiver's downlink;
 - ``latency``: one-way seconds of the peer's access link (a byte from a to b arrives latency[a] +
   latency[b] after it crossed the links); ``delays``: seconds added to every write of a peer
   (a slow writer, for tests);
@@ -23,66 +22,43 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivetrain.peer.net.link import Server
 
-SLICE = 16384  # bytes a capped link carries of one stream before the next stream's turn
 Item = bytes | None  # None: the end of a stream
+SEND_BUFFER = 65536  # bytes a writer may have queued on its uplink before ``drain`` waits (a socket's buffer)
 
 
-class _Shaper:
-    """A capped link: its streams take turns, SLICE bytes at a time, at ``rate`` bytes/s in all;
-    each item leaves through ``out(writer, item)``."""
+class _Capped:
+    """A capped link: it carries one byte after another at ``rate`` bytes/s, whatever stream they
+    belong to, in the order they were written (FIFO: a real fq_codel link interleaves concurrent
+    streams instead; what a set of transfers takes in all is the same)."""
 
     def __init__(self, rate: float):
         self.rate = rate
-        self.queues: dict[_PipeWriter, deque[Item]] = {}  # in turn order
-        self.outs: dict[_PipeWriter, Callable[[_PipeWriter, Item], None]] = {}
-        self.pump: asyncio.Task[None] | None = None
-        self.clock = 0.0  # loop time the link is free again
+        self.free = 0.0  # loop time the link is free again
 
-    def put(self, writer: _PipeWriter, item: Item, out: Callable[[_PipeWriter, Item], None]) -> None:
-        queue = self.queues.setdefault(writer, deque())
-        self.outs[writer] = out
-        if item is None:
-            queue.append(None)
-        else:
-            queue.extend(item[i:i + SLICE] for i in range(0, len(item), SLICE))
-        if self.pump is None or self.pump.done():
-            self.pump = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.clock = max(self.clock, loop.time())  # busy from now on: a late wake-up is caught up, not lost
-        while self.queues:
-            for writer in list(self.queues):
-                queue = self.queues[writer]
-                item = queue.popleft()
-                if item is not None:
-                    self.clock += len(item) / self.rate
-                    await asyncio.sleep(self.clock - loop.time())
-                out = self.outs[writer]
-                if not queue:
-                    del self.queues[writer]
-                    del self.outs[writer]
-                out(writer, item)
+    def carry(self, nbytes: int, start: float) -> float:
+        """Reserves the link for ``nbytes`` from ``start`` on; returns when the last byte has crossed."""
+        self.free = max(self.free, start) + nbytes / self.rate
+        return self.free
 
 
 class _PipeWriter:
-    """The writing end of a one-way in-memory pipe into ``reader``, from ``src`` to ``dst``."""
+    """The writing end of a one-way in-memory pipe into ``reader``, from ``src`` to ``dst``: each
+    write crosses the sender's uplink, then the receiver's downlink, then the latency of both
+    access links, and is fed to the reader at that virtual instant (one timer per write)."""
 
     def __init__(self, reader: asyncio.StreamReader, net: MemoryNetwork, src: str, dst: str):
         self.reader, self._net, self._src, self._dst = reader, net, src, dst
         self._closed = self._aborted = False
-        self.uplink, self.downlink = net.shaper(net.rates, net._up, src), net.shaper(net.down, net._down, dst)
+        self.uplink, self.downlink = net.capped(net.rates, net._up, src), net.capped(net.down, net._down, dst)
         self.latency = net.latency_of(src) + net.latency_of(dst)
-        self.in_flight = 0  # items written that have not crossed the capped links yet
-        self.sent = asyncio.Event()  # everything written has crossed the capped links
-        self.sent.set()
-        self._due: deque[tuple[float, Item]] = deque()  # crossed, arriving after the latency
+        self.sent_at = 0.0  # loop time our last write has crossed our uplink (``drain`` waits for most of it)
+        self._due: deque[tuple[float, Item]] = deque()  # written, arriving at these times
 
     def write(self, data: bytes) -> None:
         if self._closed or self._net.is_cut(self._src, self._dst):
@@ -93,39 +69,24 @@ class _PipeWriter:
         self._send(bytes(data))
 
     def _send(self, item: Item) -> None:
-        if self.uplink is None and self.downlink is None:
-            self._arrive(self, item)
-            return
-        self.in_flight += 1
-        self.sent.clear()
-        if self.uplink is not None:
-            self.uplink.put(self, item, self._after_uplink)
-        else:
-            self._after_uplink(self, item)
-
-    def _after_uplink(self, _: _PipeWriter, item: Item) -> None:
-        if self.downlink is not None:
-            self.downlink.put(self, item, self._crossed)
-        else:
-            self._crossed(self, item)
-
-    def _crossed(self, _: _PipeWriter, item: Item) -> None:
-        self.in_flight -= 1
-        if not self.in_flight:
-            self.sent.set()
-        self._arrive(self, item)
-
-    def _arrive(self, _: _PipeWriter, item: Item) -> None:
-        if self.latency <= 0 and not self._due:
+        if self.uplink is None and self.downlink is None and self.latency <= 0 and not self._due:
             self._feed(item)
             return
         loop = asyncio.get_running_loop()
-        due = loop.time() + self.latency
+        at = loop.time()
+        size = len(item) if item is not None else 0
+        if self.uplink is not None:
+            at = self.sent_at = self.uplink.carry(size, at)
+        if self.downlink is not None:
+            at = self.downlink.carry(size, at)
+        due = at + self.latency
+        if self._due and self._due[-1][0] > due:
+            due = self._due[-1][0]  # never before what was written earlier on this stream
         self._due.append((due, item))
         loop.call_at(due, self._deliver)
 
     def _deliver(self) -> None:
-        now = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time() + 1e-9  # (a timer may fire a rounding error early)
         while self._due and self._due[0][0] <= now:  # in order, whatever order the timers fire in
             self._feed(self._due.popleft()[1])
 
@@ -140,13 +101,18 @@ class _PipeWriter:
             self.reader.feed_data(item)
 
     async def drain(self) -> None:
-        await self.sent.wait()
-        await asyncio.sleep(self._net.delays.get(self._src, 0.0) + self._net.delays.get(self._dst, 0.0))
+        """Returns once at most SEND_BUFFER bytes of ours are still queued on the uplink (plus the
+        writer's own ``delays``)."""
+        wait = self._net.delays.get(self._src, 0.0) + self._net.delays.get(self._dst, 0.0)
+        if self.uplink is not None:
+            wait += max(0.0, self.sent_at - SEND_BUFFER / self.uplink.rate - asyncio.get_running_loop().time())
+        if wait > 0:  # (as a socket's drain, it does not yield when the buffer has room)
+            await asyncio.sleep(wait)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._send(None)  # after the bytes still queued
+            self._send(None)  # after the bytes still on their way
 
     def is_closing(self) -> bool:
         return self._closed
@@ -156,7 +122,7 @@ class _PipeWriter:
         return self  # as ``asyncio.StreamWriter.transport``: ``abort`` is there
 
     def abort(self) -> None:
-        """Drops the stream with whatever is still queued: the reader sees it end at once."""
+        """Drops the stream with whatever is still on its way: the reader sees it end at once."""
         if not self._aborted:
             self._closed = self._aborted = True
             self.reader.feed_eof()
@@ -178,8 +144,8 @@ class MemoryNetwork:
     loss: dict[str, float] = field(default_factory=dict)  # peer -> probability a stream it opens or takes fails
     behind_nat: set[str] = field(default_factory=set)  # dialed only over connections they opened themselves
     rng: random.Random = field(default_factory=lambda: random.Random(0))
-    _up: dict[str, _Shaper] = field(default_factory=dict)
-    _down: dict[str, _Shaper] = field(default_factory=dict)
+    _up: dict[str, _Capped] = field(default_factory=dict)
+    _down: dict[str, _Capped] = field(default_factory=dict)
     _conns: set[tuple[str, str]] = field(default_factory=set)  # (dialer, dialed): connections, kept open
     _adjacent: dict[str, dict[str, None]] = field(default_factory=dict)  # peer -> peers connected, in order
 
@@ -231,15 +197,15 @@ class MemoryNetwork:
     def latency_of(self, peer: str) -> float:
         return self.latency.get(peer, 0.0)
 
-    def shaper(self, rates: dict[str, float], shapers: dict[str, _Shaper], peer: str) -> _Shaper | None:
+    def capped(self, rates: dict[str, float], links: dict[str, _Capped], peer: str) -> _Capped | None:
         """``peer``'s capped link (None if ``rates`` does not cap it), shared by all its streams."""
         rate = rates.get(peer)
         if not rate:
             return None
-        shaper = shapers.get(peer)
-        if shaper is None or shaper.rate != rate:
-            shaper = shapers[peer] = _Shaper(rate)
-        return shaper
+        link = links.get(peer)
+        if link is None or link.rate != rate:
+            link = links[peer] = _Capped(rate)
+        return link
 
 
 class MemoryLink:
@@ -281,6 +247,10 @@ class MemoryLink:
         return self.net.connects(self.me, host, port)
 
     async def close(self) -> None:
+        self.shut()
+
+    def shut(self) -> None:
+        """Stops serving at once: the streams being served are cancelled."""
         for task in list(self._tasks):
             task.cancel()
         self._servers.clear()

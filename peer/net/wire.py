@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import math
 import re
 import struct
@@ -91,8 +92,13 @@ def _digests(v: Any) -> bool:  # per member: a part digest (peer/averaging/reduc
     return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in v)
 
 
+@functools.lru_cache(maxsize=65536)  # the same few dozen ids arrive in every view of a round
+def _peer_id(v: str) -> bool:
+    return bool(PEER_ID_RE.fullmatch(v))
+
+
 def _peers(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(p, str) and PEER_ID_RE.fullmatch(p) for p in v)
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(type(p) is str for p in v) and all(map(_peer_id, v))
 
 
 _SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
@@ -164,13 +170,14 @@ def _check_timeout(timeout: float) -> None:
         raise TimeoutError()
 
 
-async def read_header(reader: asyncio.StreamReader, timeout: float,
+async def read_header(reader: asyncio.StreamReader, timeout: float | None,
                       max_body: int | None = None) -> tuple[dict[str, Any], int]:
-    """Reads a frame's prefix and header within ``timeout`` seconds; returns (header, body length).
-    The body is left unread; a body longer than ``max_body`` is refused on the prefix alone. Raises
-    ProtocolError for anything malformed, TimeoutError past the deadline, IncompleteReadError if
-    the stream ends."""
-    _check_timeout(timeout)
+    """Reads a frame's prefix and header within ``timeout`` seconds (None: the caller's own deadline
+    bounds the read); returns (header, body length). The body is left unread; a body longer than
+    ``max_body`` is refused on the prefix alone. Raises ProtocolError for anything malformed,
+    TimeoutError past the deadline, IncompleteReadError if the stream ends."""
+    if timeout is not None:
+        _check_timeout(timeout)
     async with asyncio.timeout(timeout):
         magic, header_len, body_len = PREFIX.unpack(await reader.readexactly(PREFIX.size))
         if magic != MAGIC:
@@ -193,10 +200,14 @@ async def read_header(reader: asyncio.StreamReader, timeout: float,
     return check_header(header), body_len
 
 
-async def read_body(reader: asyncio.StreamReader, body_len: int, timeout: float) -> bytes:
-    _check_timeout(timeout)
+async def read_body(reader: asyncio.StreamReader, body_len: int, timeout: float | None) -> bytes:
+    """Reads a body of exactly ``body_len`` bytes within ``timeout`` seconds (None: as ``read_header``)."""
+    if timeout is not None:
+        _check_timeout(timeout)
     if not body_len:
         return b""
+    if timeout is None:
+        return await reader.readexactly(body_len)
     async with asyncio.timeout(timeout):
         return await reader.readexactly(body_len)
 

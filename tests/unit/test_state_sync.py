@@ -18,6 +18,7 @@ from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
 from hivetrain.peer.averaging.behaviour import HONEST
 from hivetrain.peer.averaging.simulation import LoopThread
+from hivetrain.peer.net import memory
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.memory import MemoryLink, MemoryNetwork
 from hivetrain.peer.net.wire import Code
@@ -292,10 +293,11 @@ def test_serving_is_capped_per_authenticated_requester_and_in_total(world: World
     world.loop.run(scenario(), 10)
 
 
-def test_a_requester_that_never_reads_is_cut_off(world: World) -> None:
+def test_a_requester_that_never_reads_is_cut_off(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     snap = snapshot(8)
     service = world.donor("slow-reader-donor", snap)
     service.server.write_timeout = 0.05
+    monkeypatch.setattr(memory, "SEND_BUFFER", 0)  # no socket buffer: a write waits until the link carried it
     world.net.rates["slow-reader-donor"] = 1000.0  # bytes/s: the 512-byte piece takes half a second to write
     reader = world.net.link("reader")
 

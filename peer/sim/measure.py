@@ -1,0 +1,123 @@
+"""What a simulated run shows: one row of numbers from its honest peers' round records and counters.
+
+Lineage is read off the records: a completed or void round turns its base state into the state it
+records (its parent is the base); a sync moves a peer to a state someone else made. The *main
+lineage* is the chain of states behind the final state most honest peers hold; a peer-round whose
+state is on it was kept, one whose state is not was thrown away (its peer later synced to the
+main lineage, or still sits on another one: a fork).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from hivetrain.peer.sim.swarm import Result
+
+DATA_KINDS = ("part", "result", "state_req")  # requests whose bodies are the vector or the state
+
+
+def lineage(result: Result) -> dict[str, str]:
+    """state hash -> the state it was computed from (as honest peers' round records tell it)."""
+    parent: dict[str, str] = {}
+    for _, rec in result.records:
+        if rec.get("event") == "round" and rec.get("base_hash") and rec.get("state_hash"):
+            parent.setdefault(rec["state_hash"], rec["base_hash"])
+    return parent
+
+
+def ancestors(state: str, parent: dict[str, str]) -> set[str]:
+    """``state`` and every state it descends from."""
+    out = {state}
+    while state in parent and parent[state] not in out:
+        state = parent[state]
+        out.add(state)
+    return out
+
+
+def final_states(result: Result) -> dict[int, str]:
+    """Each honest peer's last state (after its last round or sync)."""
+    honest = {p.index for p in result.honest()}
+    last: dict[int, str] = {}
+    for index, rec in result.records:
+        if index in honest and rec.get("event") in ("start", "round", "sync") and rec.get("state_hash"):
+            last[index] = rec["state_hash"]
+    return last
+
+
+def tips(states: Iterable[str], parent: dict[str, str]) -> set[str]:
+    """The states of ``states`` that no other of them descends from (one per lineage alive)."""
+    states = set(states)
+    behind: set[str] = set()
+    for s in states:
+        behind |= ancestors(s, parent) - {s}
+    return states - behind
+
+
+def _traffic(result: Result) -> tuple[Counter[str], int, int, int]:
+    """Requester-side bytes by request type (each exchange counted once, both directions), and the
+    honest peers' DHT reads and bytes (reads and writes)."""
+    by_kind: Counter[str] = Counter()
+    reads = dht_bytes = 0
+    for peer in result.honest():
+        for incarnation in peer.incarnations:
+            by_kind.update(incarnation.averager.ctx.traffic.by_kind)
+            by_kind.update(incarnation.sync.traffic.by_kind)
+        costs = result.dht.costs.get(peer.id)
+        if costs is not None:
+            reads += costs.reads
+            dht_bytes += costs.read_bytes + costs.write_bytes
+    return by_kind, reads, dht_bytes, len(result.honest())
+
+
+def row(result: Result) -> dict[str, Any]:
+    """The bench.swarm row of one run (keys as the issue names them, then a few more)."""
+    sc = result.scenario
+    honest = {p.index for p in result.honest()}
+    rounds = [rec for i, rec in result.records if i in honest and rec.get("event") == "round"]
+    syncs = [rec for i, rec in result.records if i in honest and rec.get("event") == "sync"]
+    parent = lineage(result)
+    finals = final_states(result)
+    alive = tips(finals.values(), parent)
+    held = Counter(finals.values())
+    main = max(alive, key=lambda s: (sum(n for f, n in held.items() if s in ancestors(f, parent)), s)) \
+        if alive else ""
+    kept = ancestors(main, parent) if main else set()
+    per_round: dict[int, set[str]] = {}
+    for rec in rounds:
+        per_round.setdefault(rec["round"], set()).add(rec["state_hash"])
+    completed = [rec for rec in rounds if not rec.get("void")]
+    on_main = sum(rec["state_hash"] in kept for rec in completed)
+    peer_rounds = max(1, len(rounds))
+    by_kind, reads, dht_bytes, n_honest = _traffic(result)
+    per = max(1, n_honest * sc.rounds)
+    data = sum(by_kind[k] for k in DATA_KINDS)
+    control = sum(by_kind.values()) - data + dht_bytes
+    rates = {p.index: result.net.rates.get(p.id, 0.0) for p in result.peers}
+    over = [rec["allreduce_s"] / (rec["bytes_sent"] / rates[i]) for i, rec in result.records
+            if i in honest and rec.get("event") == "round" and not rec.get("void") and rec.get("allreduce_s")
+            and rec.get("bytes_sent") and rates.get(i)]
+    mm = [rec["matchmaking_s"] for rec in completed if rec.get("matchmaking_s") is not None]
+    util = [rec["utilization"] for rec in rounds if rec.get("utilization") is not None]
+    return {
+        "peers": sc.peers, "target": sc.target, "jitter_s": sc.jitter_s, "slow_fraction": sc.slow_fraction,
+        "rounds": sc.rounds,
+        "states_per_round": round(statistics.mean(len(v) for v in per_round.values()), 3) if per_round else 0.0,
+        "lineages": len(alive),
+        "single_state_fraction": round(on_main / peer_rounds, 4),
+        "discarded_fraction": round((len(completed) - on_main) / peer_rounds, 4),
+        "data_bytes_per_peer_round": round(data / per),
+        "control_bytes_per_peer_round": round(control / per),
+        "dht_reads_per_peer_round": round(reads / per, 2),
+        "hot_holder_bytes_per_round": round(max(result.dht.served.values(), default=0) / max(1, sc.rounds)),
+        "matchmaking_s": round(statistics.mean(mm), 3) if mm else None,
+        "allreduce_over_bound": round(statistics.median(over), 3) if over else None,
+        "utilization": round(statistics.mean(util), 4) if util else None,
+        "wall_s": round(result.wall_s, 2), "virtual_s": round(result.virtual_s, 2),
+        "trace_hash": result.trace_hash,
+        "void_fraction": round(sum(bool(rec.get("void")) for rec in rounds) / peer_rounds, 4),
+        "syncs_per_round": round(len(syncs) / max(1, sc.rounds), 2),
+        "seed": sc.seed, "stalled": result.stalled,
+    }
