@@ -128,9 +128,11 @@ class AllReduceRunner:
         ctx.behaviour.at("before_parts", r)
         for k in range(s.units):  # in shard order: every member sends its part of shard 0 first, then 1, ...
             header = self._header("part", k, digest=digest(parts[k]))
-            for peer in (s.reducer(k), s.auditor(k)):
+            for peer, auditor in ((s.reducer(k), False), (s.auditor(k), True)):
                 if peer is not None and peer != ctx.me:
-                    self.outbox.put(peer, header, parts[k], strict=True)
+                    part = ctx.behaviour.part_for(r, k, peer, auditor, parts[k])
+                    sent = header if part is parts[k] else self._header("part", k, digest=digest(part))
+                    self.outbox.put(peer, sent, part, strict=True)
         try:
             await self._pipeline()
         except RoundFailed:

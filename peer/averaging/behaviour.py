@@ -26,6 +26,10 @@ class Behaviour:
         """The encoded slices we send for each shard."""
         return parts
 
+    def part_for(self, round_: int, shard: int, recipient: str, auditor: bool, part: bytes) -> bytes:
+        """Our part of ``shard`` as sent to ``recipient`` (its reducer, or its auditor if ``auditor``)."""
+        return part
+
     def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int, codec: Codec) -> bytes:
         """The result of the shard we reduced, as sent to ``recipient``."""
         return result

@@ -8,19 +8,49 @@ its attacks (``Scenario.attacks``) and its attackers (``Scenario.dishonest``, on
 ``Scenario.attacker_prefixes`` /24s); ``happened`` reads the run's result for evidence that the
 honest side saw the attack (a refused record, a void round, a ban, a foreign group member): an
 attack test asserts it, so no test passes on an attack that never took place.
+
+An actor learns what an outsider can learn: the round, base and peer ids of the honest peers from
+their signed ready records and heartbeats in the DHT (it reads them as a DHT client), never from
+the honest peers' objects. The review findings (../shared/research/review-2026-12-02-security.md
+N1-N10, review-2026-12.md) each have one attack below, named in its ``about``.
+
+unverifiable_parts needs one hook the protocol did not have: ``Behaviour.part_for`` (the part as sent
+to one recipient, reducer or auditor), asked by peer/averaging/allreduce.py where parts are sent;
+the honest one returns the part it is given, and the honest path sends exactly what it sent before.
+
+What the simulator cannot express, and so is carried out only in part:
+
+- relayed_votes (N6): the simulated addresses can be ``/p2p-circuit`` addresses (the relay's IP),
+  so relayed attackers escape the per-/24 cap of matchmaking and would count one joiner vote per
+  relay IP; the attackers here train honestly, so the evidence is a group over the cap. Capturing
+  a joiner with those votes also needs a forged state served, which this attack does not combine.
+- dht_key_fill (N8): one DHT, nearest-node replication, no routing tables: the key is filled at
+  every replica a writer reaches, which is the review's "not run across real DHT replicas" case.
+- serving_lockout (N2): locks out only with >= 8 attacker identities (32 slots, 4 per requester);
+  with fewer, the honest servers only refuse the attackers' own excess streams (still evidence that
+  the slots were held).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import hashlib
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from hivetrain.dht import clock
+from hivetrain.dht.records import heartbeat_key
 from hivetrain.peer.averaging.behaviour import Behaviour
-from hivetrain.peer.averaging.ready import Ready, sign
-from hivetrain.peer.faults import attack_part
-from hivetrain.peer.net.wire import ZERO
+from hivetrain.peer.averaging.context import PROTOCOL_VERSION as AVG_VERSION
+from hivetrain.peer.averaging.ready import Ready, sign, verified
+from hivetrain.peer.faults import attack_part, attack_result
+from hivetrain.peer.net import dialback
+from hivetrain.peer.net.link import Server, request
+from hivetrain.peer.net.wire import ZERO, Code, encode_header, reason
+from hivetrain.peer.sim.dht import Costs
+from hivetrain.peer.state.heartbeats import heartbeat_envelope
+from hivetrain.peer.state.serve import MAX_PER_REQUESTER
+from hivetrain.peer.state.serve import protocol_name as state_protocol
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +90,11 @@ def attacker_ids(result: Result) -> set[str]:
     return {p.id for p in result.peers if not p.honest}
 
 
+def incarnations(result: Result) -> list[tuple[int, Any]]:
+    """(index, Peer) of every start of every honest peer."""
+    return [(p.index, inc) for p in result.honest() for inc in p.incarnations]
+
+
 def link_of(swarm: Swarm, peer: SimPeer) -> Any:
     """The attacker's link: its running peer's, or one of its own (an identity that runs no peer)."""
     link = swarm.net.links.get(peer.id)
@@ -71,6 +106,153 @@ def link_of(swarm: Swarm, peer: SimPeer) -> Any:
 def current_round(swarm: Swarm) -> int:
     """The highest round an honest peer has recorded (0 before any)."""
     return max((int(rec.get("round", 0)) for i, rec in swarm.records if rec.get("event") == "round"), default=-1) + 1
+
+
+def avg_protocol(swarm: Swarm) -> str:
+    return f"hivetrain/avg/{AVG_VERSION}/{swarm.spec.spec_hash().hex()[:32]}"
+
+
+def run_hash(swarm: Swarm) -> str:
+    return swarm.spec.spec_hash().hex()
+
+
+def client(swarm: Swarm, peer: SimPeer | str) -> str:
+    """``peer`` as a DHT client (an identity that runs no node still reads and writes records)."""
+    pid = peer if isinstance(peer, str) else peer.id
+    swarm.dht.costs.setdefault(pid, Costs())
+    return pid
+
+
+async def board(swarm: Swarm, spy: SimPeer, round_: int) -> list[Ready]:
+    """The round's valid ready records, as any DHT client reads them."""
+    from hivetrain.dht.records import ready_key
+
+    envelopes = await swarm.dht.get(client(swarm, spy), ready_key(swarm.run_key, round_))
+    return [r for r in map(verified, envelopes) if r is not None and r.round == round_]
+
+
+async def heartbeats(swarm: Swarm, spy: SimPeer) -> list[dict[str, Any]]:
+    from hivetrain.dht.records import decode_bound
+
+    out = []
+    for envelope in await swarm.dht.get(client(swarm, spy), heartbeat_key(swarm.run_key)):
+        try:
+            out.append(decode_bound("hb", envelope))
+        except Exception:
+            continue
+    return out
+
+
+def view_header(swarm: Swarm, round_: int, base: str, members: list[str], decided: bool = False,
+                closed: bool = False) -> dict[str, Any]:
+    return {"type": "view", "run": run_hash(swarm), "round": round_, "base": base, "members": sorted(members),
+            "excluded": [], "closed": closed, "decided": decided}
+
+
+async def quietly(work: Awaitable[Any]) -> Any:
+    """An attacker's request: whatever the honest side answers or fails with, the attack goes on."""
+    try:
+        return await work
+    except Exception:
+        return None
+
+
+async def on_ready(swarm: Swarm, attackers: list[SimPeer], act: Callable[[int, str, str, int], Awaitable[Any]],
+                   poll: float = 0.1) -> None:
+    """Follows the public board: calls ``act(round, base, peer, n)`` once for each honest peer's
+    "done" ready record (``n`` counts the records seen, for spreading the work over the attackers)."""
+    bad = {p.id for p in attackers}
+    seen: set[tuple[int, str, str]] = set()
+    r = 0
+    async with asyncio.TaskGroup() as tasks:
+        while True:
+            top = r
+            for round_ in (r, r + 1):
+                for rec in await board(swarm, attackers[0], round_):
+                    key = (round_, rec.base, rec.peer_id)
+                    if rec.done and rec.peer_id not in bad and key not in seen:
+                        seen.add(key)
+                        top = max(top, round_)
+                        tasks.create_task(quietly(act(round_, rec.base, rec.peer_id, len(seen))))
+            r = top
+            await asyncio.sleep(poll)
+
+
+class _Stalled:
+    """A ticket that never completes: the asker waits for its own timeout."""
+
+    deadline = 0.0
+
+    async def complete(self, body: bytes) -> Any:
+        await asyncio.sleep(3600.0)
+        raise TimeoutError
+
+    def abort(self) -> None:
+        pass
+
+
+class Stall:
+    """A ``Service`` that takes every stream and never answers (a silent candidate)."""
+
+    max_body = 0
+
+    def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
+        return _Stalled()
+
+    def refusal(self, header: dict[str, Any], code: Code, why: str) -> Any:
+        return {"type": "ack", "run": header.get("run", ZERO), "round": header.get("round", 0),
+                "base": header.get("base", ZERO), "code": int(code), "reason": reason(why)}, b""
+
+    def is_member(self, peer: str) -> bool:
+        return True
+
+
+async def stall_on(swarm: Swarm, attackers: list[SimPeer]) -> dict[str, Any]:
+    """The attackers' links, each serving averaging with a silent ``Stall`` (an identity that runs no peer)."""
+    links = {p.id: link_of(swarm, p) for p in attackers}
+    for p in attackers:
+        if not p.runs:
+            await links[p.id].serve(avg_protocol(swarm), Server(Stall(), max_others=10**6, max_per_peer=10**6))
+    return links
+
+
+def matchmakings(result: Result) -> list[tuple[int, int, Any]]:
+    """(index, round, Matchmaking) that honest averagers still hold (their last two rounds)."""
+    return [(i, r, mm) for i, inc in incarnations(result) for r, mm in inc.averager.matchmaking.items()]
+
+
+def banned(result: Result) -> list[tuple[int, str, str]]:
+    """(honest index, attacker, why) for every ban of an attacker by an honest peer."""
+    bad = attacker_ids(result)
+    return [(i, p, inc.averager.ctx.bans.why(p) or "") for i, inc in incarnations(result) for p in sorted(bad)
+            if p in inc.averager.ctx.bans]
+
+
+def with_attackers(result: Result) -> list[tuple[int, dict[str, Any]]]:
+    """Honest completed peer-rounds whose group held an attacker."""
+    bad = attacker_ids(result)
+    return [(i, rec) for i, rec in honest_rounds(result) if not rec.get("void") and bad & set(rec.get("group", ()))]
+
+
+def ban_evidence(result: Result, what: str) -> str | None:
+    bans = banned(result)
+    if bans:
+        i, _, why = bans[0]
+        return f"{len(bans)} bans of {what} by honest peers (peer {i}: {why})"
+    return None
+
+
+def part_evidence(result: Result, what: str) -> str | None:
+    """A bad part seen: honest peer-rounds that left its sender out (void or not), bans of it, or
+    honest peer-rounds completed with it in the group (a pair is a plain mean: nothing left out)."""
+    bad = attacker_ids(result)
+    left = [(i, rec["round"]) for i, rec in honest_rounds(result) if bad & set(rec.get("excluded") or {})]
+    bans = banned(result)
+    kept = with_attackers(result)
+    if left or bans or kept:
+        return (f"{what}: left out in {len(left)} honest peer-rounds, banned {len(bans)} times, in the group of "
+                f"{len(kept)} completed honest peer-rounds")
+    return None
 
 
 # ---- attacks in a Behaviour --------------------------------------------------------------------------
@@ -97,9 +279,7 @@ class Bias(Attack):
         return PartAttack("flip")
 
     def happened(self, result: Result) -> str | None:
-        bad = attacker_ids(result)
-        seen = [(i, rec["round"]) for i, rec in honest_rounds(result) if not rec.get("void")
-                and bad & set(rec.get("group", ()))]
+        seen = with_attackers(result)
         return f"{len(seen)} honest peer-rounds completed in a group with a biased member" if seen else None
 
 
@@ -111,49 +291,451 @@ class Nan(Attack):
         return PartAttack("nan")
 
     def happened(self, result: Result) -> str | None:
-        bad = attacker_ids(result)
-        for peer in result.honest():
-            for incarnation in peer.incarnations:
-                hits = {p for p in bad if p in incarnation.averager.ctx.bans}
-                if hits:
-                    return f"peer {peer.index} banned the NaN sender"
+        return part_evidence(result, "the NaN sender")
+
+
+class Huge(Attack):
+    name = "huge"
+    about = "a member sends its pseudo-gradient times 1e6 (FaultPlan 'huge'; outlier removal must drop it)"
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return PartAttack("huge")
+
+    def happened(self, result: Result) -> str | None:
+        return part_evidence(result, "the huge part's sender")
+
+
+class Unverifiable(Behaviour):
+    """N7: a member whose auditor gets another well-formed, correctly digested part than its reducer."""
+
+    def __init__(self) -> None:
+        self.other: dict[tuple[int, int], bytes] = {}
+
+    def parts(self, round_: int, parts: list[bytes], delta: torch.Tensor, bounds: list[tuple[int, int]],
+              codec: Codec) -> list[bytes]:
+        self.other = {(round_, k): bytes(codec.encode(delta[a:b] * 0.5)) for k, (a, b) in enumerate(bounds)}
+        return parts
+
+    def part_for(self, round_: int, shard: int, recipient: str, auditor: bool, part: bytes) -> bytes:
+        return self.other.get((round_, shard), part) if auditor else part
+
+
+class UnverifiableParts(Attack):
+    name = "unverifiable_parts"
+    about = ("N7: a member sends its reducer and its auditor different well-formed parts, so every shard it "
+             "is in is 'unverifiable' (void) and nobody is blamed")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return Unverifiable()
+
+    def happened(self, result: Result) -> str | None:
+        hit = [(i, rec) for i, rec in with_attackers(result) if rec.get("void_shards")]
+        void = [(i, rec) for i, rec in honest_rounds(result) if rec.get("void")
+                and "unverifiable" in str(rec.get("why", "")) + str(rec.get("excluded", ""))]
+        if hit or void:
+            shards = sum(len(rec["void_shards"]) for _, rec in hit)
+            return (f"{len(hit)} honest peer-rounds with the attacker had {shards} void shard ranges; "
+                    f"{len(void)} void rounds named an unverifiable shard")
         return None
+
+
+class EquivocatingAuditor(Behaviour):
+    """N9: an auditor whose verdict is 'ok' to half its group and 'rejected' to the other half."""
+
+    def verdict_for(self, round_: int, shard: int, recipient: str, ok: bool) -> bool:
+        return hashlib.sha256(recipient.encode()).digest()[0] % 2 == 0
+
+
+class EquivocatingReducer(Behaviour):
+    """A reducer whose result is right for half its group and shifted for the other half."""
+
+    def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int, codec: Codec) -> bytes:
+        if hashlib.sha256(recipient.encode()).digest()[0] % 2:
+            return attack_result(result, numel, codec)
+        return result
+
+
+def split_evidence(result: Result, what: str) -> str | None:
+    """Bans, void rounds or void shards of honest peers grouped with the attacker, or honest members
+    of one group that ended a round on different states."""
+    bad = attacker_ids(result)
+    states: dict[tuple[int, tuple[str, ...]], set[str]] = {}
+    for _, rec in with_attackers(result):
+        states.setdefault((rec["round"], tuple(sorted(rec["group"]))), set()).add(rec["state_hash"])
+    split = sum(len(s) > 1 for s in states.values())
+    shards = sum(bool(rec.get("void_shards")) for _, rec in with_attackers(result))
+    void = [(i, rec) for i, rec in honest_rounds(result) if rec.get("void") and bad & set(rec.get("excluded") or {})]
+    bans = banned(result)
+    if split or shards or void or bans:
+        return (f"{what}: {split} groups split into different states, {shards} honest peer-rounds with void "
+                f"shards, {len(void)} void rounds excluding it, {len(bans)} bans")
+    return None
+
+
+class EquivocatingAuditorAttack(Attack):
+    name = "equivocating_auditor"
+    about = "N9: an auditor signs 'ok' to half its group and 'rejected' to the other half (verdict_for)"
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return EquivocatingAuditor()
+
+    def happened(self, result: Result) -> str | None:
+        return split_evidence(result, "equivocating auditor")
+
+
+class EquivocatingReducerAttack(Attack):
+    name = "equivocating_reducer"
+    about = "prior 8g: a reducer sends the right result to half its group and a shifted one to the rest (result_for)"
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return EquivocatingReducer()
+
+    def happened(self, result: Result) -> str | None:
+        return split_evidence(result, "equivocating reducer")
+
+
+class Liar(Behaviour):
+    def dialback_answer(self, asker: str, connected: bool) -> bool:
+        return False
+
+
+class DialbackLies(Attack):
+    name = "dialback_lies"
+    about = ("N3: attacker peers answer every dial-back check 'could not reach you', and connect to every "
+             "honest peer first, so they are among the 3 asked")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return Liar()
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        await asyncio.sleep(0)  # the honest peers' links are up: connect to each (first in its list)
+        for x in attackers:
+            link = swarm.net.links.get(x.id)
+            if link is None:
+                continue
+            for peer in swarm.peers:
+                if peer.honest:
+                    await quietly(request(link, peer.id, dialback.PROTOCOL, {"type": "dialback", "ports": [1]},
+                                          b"", 1.0))
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        lied = [(i, inc.reachability.verdict) for i, inc in incarnations(result)
+                if any(p in bad and not ok for p, ok in inc.reachability.verdict.answers)]
+        if not lied:
+            return None
+        closed = sum(v.mode == dialback.OUTBOUND_ONLY for _, v in lied)
+        return f"{len(lied)} honest peers heard 'not reachable' from attackers; {closed} now think they are outbound-only"
 
 
 # ---- attacks by an outside actor -----------------------------------------------------------------------
 
 
+def candidates_evidence(result: Result, what: str) -> str | None:
+    """Attackers that honest matchmaking took as candidates (or saw on the board)."""
+    bad = attacker_ids(result)
+    held = [(i, r, len(bad & mm.view.candidates), len(bad & mm.seen)) for i, r, mm in matchmakings(result)]
+    held = [h for h in held if h[2] or h[3]]
+    if not held:
+        return None
+    most = max(held, key=lambda h: (h[2], h[3]))
+    return (f"{what}: {len(held)} honest matchmakings held attackers (peer {most[0]} round {most[1]}: "
+            f"{most[2]} attacker candidates, {most[3]} attackers on its board)")
+
+
 class ReadyFlood(Attack):
     name = "ready_flood"
-    about = ("N5: self-signed ready records for every round at the honest base, from identities that "
+    about = ("N5b: self-signed ready records for every round at the honest base, from identities that "
              "never answer (the candidate set is first-come-first-served)")
     runs_peer = False
-    per_identity = 1  # ready records per attacker identity per round (one subkey each: its peer id)
 
     async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
-        spec_hash = swarm.spec.spec_hash().hex()
-        published: set[int] = set()
+        await stall_on(swarm, attackers)
+        spec_hash = run_hash(swarm)
+        published: set[tuple[int, str]] = set()
         while True:
-            r = max(0, current_round(swarm))
-            bases = {rec.get("state_hash") or ZERO for i, rec in swarm.records
-                     if rec.get("event") in ("round", "start") and int(rec.get("round", 0)) == r - 1} or {ZERO}
-            for round_ in (r, r + 1):
-                if round_ in published:
-                    continue
-                published.add(round_)
-                for peer in attackers:
-                    for base in sorted(bases)[:1]:
-                        ready = Ready(peer.id, round_, base, spec_hash, True, clock.wall(), False)
-                        await swarm.dht.store(peer.id, sign(peer.identity, swarm.run_key, ready, 60.0))
+            r, bases = -1, {ZERO}
+            for hb in await heartbeats(swarm, attackers[0]):  # the honest peers' latest states: the next base
+                if hb["peer_id"] not in {p.id for p in attackers}:
+                    if hb["round"] > r:  # (a heartbeat's round is the round its state is the base of)
+                        r, bases = hb["round"], {hb["state_hash"]}
+                    elif hb["round"] == r:
+                        bases.add(hb["state_hash"])
+            for round_ in (r, r + 1) if r >= 0 else ():
+                for base in sorted(bases) if round_ == r else [ZERO]:
+                    if (round_, base) in published:
+                        continue
+                    published.add((round_, base))
+                    for peer in attackers:
+                        ready = Ready(peer.id, round_, base, spec_hash, round_ == r, clock.wall(), False)
+                        await swarm.dht.store(client(swarm, peer), sign(peer.identity, swarm.run_key, ready, 60.0))
             await asyncio.sleep(1.0)
 
     def happened(self, result: Result) -> str | None:
+        return candidates_evidence(result, "ready flood")
+
+
+class CandidateFlood(Attack):
+    name = "candidate_flood"
+    about = ("N5a: every attacker identity sends one view request per honest peer and round, then never "
+             "answers (each costs a view timeout; 256 fill the candidate set)")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        links = await stall_on(swarm, attackers)
+
+        async def act(round_: int, base: str, peer: str, n: int) -> None:
+            await asyncio.gather(*(quietly(request(links[x.id], peer, avg_protocol(swarm),
+                                                   view_header(swarm, round_, base, [x.id]), b"", 3.0))
+                                   for x in attackers))
+
+        await on_ready(swarm, attackers, act)
+
+    def happened(self, result: Result) -> str | None:
+        return candidates_evidence(result, "candidate flood")
+
+
+class DecidedPair(Attack):
+    name = "decided_pair"
+    about = ("N1: an unsolicited view request marked decided, members [P, X], to each honest peer P "
+             "(adopted: P drops its group and averages with X alone)")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        links = await stall_on(swarm, attackers)
+
+        async def act(round_: int, base: str, peer: str, n: int) -> None:
+            x = attackers[n % len(attackers)]
+            await request(links[x.id], peer, avg_protocol(swarm),
+                          view_header(swarm, round_, base, [peer, x.id], decided=True), b"", 3.0)
+
+        await on_ready(swarm, attackers, act, poll=0.05)
+
+    def happened(self, result: Result) -> str | None:
         bad = attacker_ids(result)
-        stored = sum(1 for node in result.dht.nodes.values() for key, held in node.storage.items()
-                     if "/ready/" in key for sub in held if any(b in str(sub) for b in bad))
-        return f"{stored} attacker ready records held by DHT nodes" if stored else None
+        pairs = [(i, r) for i, r, mm in matchmakings(result)
+                 if mm.view.decided is not None and bad & set(mm.view.decided)]
+        pairs += [(i, rec["round"]) for i, rec in with_attackers(result)]
+        if not pairs:
+            return None
+        return f"{len(set(pairs))} honest peer-rounds decided a group with an attacker that asked once"
 
 
-LIBRARY: dict[str, Attack] = {a.name: a for a in (Bias(), Nan(), ReadyFlood())}
+class EarlyPart(Attack):
+    name = "early_part"
+    about = ("N4: a view request (to become a candidate), then one part header for a junk group during "
+             "matchmaking: the window closes at once, and the attacker never answers")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        links = await stall_on(swarm, attackers)
+        junk = hashlib.sha256(b"junk group").hexdigest()
+
+        async def act(round_: int, base: str, peer: str, n: int) -> None:
+            x = attackers[n % len(attackers)]
+            link = links[x.id]
+            await request(link, peer, avg_protocol(swarm), view_header(swarm, round_, base, [x.id]), b"", 1.0)
+            part = {"type": "part", "run": run_hash(swarm), "round": round_, "base": base, "group": junk, "shard": 0,
+                    "digest": "0" * 32}
+            await request(link, peer, avg_protocol(swarm), part, b"\0" * 16, 1.0)
+
+        await on_ready(swarm, attackers, act, poll=0.05)
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        urgent = [(i, r) for i, r, mm in matchmakings(result) if bad & mm.urgent]
+        if not urgent:
+            return None
+        alone = sum(1 for _, rec in honest_rounds(result) if not rec.get("void") and rec.get("group_size") == 1)
+        return f"{len(urgent)} honest matchmakings closed their window on an attacker's junk part; " \
+               f"{alone} honest peer-rounds trained alone"
+
+
+class ServingLockout(Attack):
+    name = "serving_lockout"
+    about = ("N2: each attacker holds silent streams on every honest peer's state protocol (4 per identity, "
+             "one more refused): with >= 8 identities the 32 slots are full and joiners get BUSY")
+    runs_peer = False
+    streams = MAX_PER_REQUESTER + 1
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        protocol = state_protocol(run_hash(swarm))
+        links = {p.id: link_of(swarm, p) for p in attackers}
+
+        async def hold(x: SimPeer, peer: str) -> None:
+            while True:
+                opened = clock.now()
+                try:
+                    reader, writer = await links[x.id].open(peer, protocol, 5.0)
+                    await reader.read()  # silent: the server times our header out (or refuses us BUSY)
+                    writer.close()
+                except Exception:
+                    pass
+                await asyncio.sleep(0.01 if clock.now() - opened > 1.0 else 1.0)  # held it: take it again at once
+
+        async with asyncio.TaskGroup() as tasks:
+            held: set[str] = set()
+            while True:
+                for hb in await heartbeats(swarm, attackers[0]):
+                    peer = hb["peer_id"]
+                    if peer not in held and peer not in links:
+                        held.add(peer)
+                        for x in attackers:
+                            for _ in range(self.streams):
+                                tasks.create_task(hold(x, peer))
+                await asyncio.sleep(1.0)
+
+    def happened(self, result: Result) -> str | None:
+        busy = [(i, inc.service.server.refused_busy) for i, inc in incarnations(result)
+                if inc.service.server.refused_busy]
+        if not busy:
+            return None
+        return f"{len(busy)} honest state servers refused {sum(b for _, b in busy)} streams BUSY with their slots held"
+
+
+class OversizedBodies(Attack):
+    name = "oversized_bodies"
+    about = ("prior 6: requests whose prefix claims a 1 TB body (over every protocol's cap) to every honest "
+             "peer's averaging and state protocols; the body is never sent")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        links = {p.id: link_of(swarm, p) for p in attackers}
+        huge = 1 << 40
+
+        async def send(x: SimPeer, peer: str, protocol: str, header: dict[str, Any]) -> None:
+            reader, writer = await links[x.id].open(peer, protocol, 5.0)
+            writer.write(encode_header(header, huge))
+            await asyncio.wait_for(reader.read(), 5.0)
+            writer.close()
+
+        async def act(round_: int, base: str, peer: str, n: int) -> None:
+            x = attackers[n % len(attackers)]
+            part = {"type": "part", "run": run_hash(swarm), "round": round_, "base": base,
+                    "group": hashlib.sha256(b"g").hexdigest(), "shard": 0, "digest": "0" * 32}
+            state = {"type": "state_req", "run": run_hash(swarm), "round": round_, "base": base, "index": 0}
+            await quietly(send(x, peer, avg_protocol(swarm), part))
+            await quietly(send(x, peer, state_protocol(run_hash(swarm)), state))
+
+        await on_ready(swarm, attackers, act)
+
+    def happened(self, result: Result) -> str | None:
+        refused = [(i, inc.averager.server.traffic.by_kind["?"] + inc.service.server.traffic.by_kind["?"])
+                   for i, inc in incarnations(result)]
+        refused = [(i, n) for i, n in refused if n]
+        if not refused:
+            return None
+        return f"{len(refused)} honest peers refused oversized requests on their prefix ({sum(n for _, n in refused) // 64} replies)"
+
+
+class ForgedHeartbeats(Attack):
+    name = "forged_heartbeats"
+    about = ("prior 1: self-signed heartbeats attesting a state past the honest peers' best, whose parent is "
+             "that honest state (nobody serves it): even attackers claim 1000 rounds ahead (beyond what time "
+             "allows), odd ones 2 rounds (within it: weightless for established peers, a joiner contacts them)")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        bad = {p.id for p in attackers}
+        while True:
+            honest = [hb for hb in await heartbeats(swarm, attackers[0]) if hb["peer_id"] not in bad]
+            if honest:
+                best = max(honest, key=lambda hb: (hb["round"], hb["state_hash"]))
+                forged = hashlib.sha256(f"forged/{best['state_hash']}".encode()).hexdigest()
+                for j, x in enumerate(attackers):
+                    ahead = 2 if j % 2 else 1000
+                    envelope = heartbeat_envelope(x.identity, swarm.run_key, 120.0, round=best["round"] + ahead,
+                                                  state_hash=forged, parent=best["state_hash"], throughput=1e6,
+                                                  train_loss=None, eval_loss=None, reach="direct")
+                    await swarm.dht.store(client(swarm, x), envelope)
+            await asyncio.sleep(2.0)
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        refused = [i for i, inc in incarnations(result) if bad & set(inc.keeper._named)]
+        followed = [i for i, inc in incarnations(result) if bad & set(inc.keeper._seen)]
+        if refused or followed:
+            return (f"{len(refused)} honest peers refused the forged heartbeats, {len(followed)} accepted a claim "
+                    "from an attacker")
+        return None
+
+
+class DHTKeyFill(Attack):
+    name = "dht_key_fill"
+    about = ("N8: the attackers' free identities (256 in all, each its own DHT client) fill ready/<r> for the "
+             "coming rounds ahead of the honest peers, who then lose the subkey-cap tie")
+    runs_peer = False
+    subkeys = 256
+    ahead = 2  # rounds filled ahead of the honest peers' latest
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        from hivetrain.peer.sim.swarm import seeded_identity
+
+        per = -(-self.subkeys // len(attackers))
+        sybils = [seeded_identity(swarm.scenario.seed, "sybil", x.index, j) for x in attackers for j in range(per)]
+        spec_hash, bad = run_hash(swarm), {p.id for p in attackers}
+        filled: set[int] = set()
+        while True:
+            rounds = [hb["round"] for hb in await heartbeats(swarm, attackers[0]) if hb["peer_id"] not in bad]
+            top = max(rounds, default=-1) + 1
+            for round_ in range(top, top + self.ahead + 1):
+                if round_ in filled:
+                    continue
+                filled.add(round_)
+                for sybil in sybils:  # done at a base nobody holds: they crowd the key, they are not candidates
+                    ready = Ready(sybil.peer_id, round_, ZERO, spec_hash, True, clock.wall(), False)
+                    await swarm.dht.store(client(swarm, sybil.peer_id), sign(sybil, swarm.run_key, ready, 600.0))
+            await asyncio.sleep(1.0)
+
+    def happened(self, result: Result) -> str | None:
+        refused: dict[str, int] = {}
+        for node in result.dht.nodes.values():
+            for why in ("subkey_cap", "evicted_others"):
+                refused[why] = refused.get(why, 0) + node.refused[why]
+        if not sum(refused.values()):
+            return None
+        return f"DHT nodes refused {refused['subkey_cap']} records at the subkey cap and evicted " \
+               f"{refused['evicted_others']} records of others"
+
+
+class RelayedVotes(Attack):
+    name = "relayed_votes"
+    about = ("N6 (in part): attacker peers reachable only as /p2p-circuit addresses, each through a relay IP "
+             "of their own /24: the per-/24 cap exempts them (and a joiner counts one vote per relay IP); "
+             "they train honestly, no forged state is served")
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        for j, x in enumerate(attackers):
+            ip = x.addr.split("/")[2].rsplit(".", 1)[0] + f".{100 + j}"
+            relay = hashlib.sha256(f"relay/{j}".encode()).hexdigest()[:16]
+            x.addr = f"/ip4/{ip}/tcp/4001/p2p/relay{relay}/p2p-circuit"  # what restarts use too
+            if x.id in swarm.net.links:
+                swarm.net.addrs[x.id] = x.addr
+
+    def happened(self, result: Result) -> str | None:
+        from hivetrain.peer.net.prefixes import first_prefix
+
+        cap = result.scenario.run_spec().max_per_prefix
+        relayed = {p.id for p in result.peers if not p.honest and "/p2p-circuit" in result.net.addrs.get(p.id, "")}
+        over = []
+        for i, rec in with_attackers(result):
+            members = relayed & set(rec["group"])
+            by_prefix: dict[str, int] = {}
+            for p in members:  # the /24 of the relays (the attackers' own) as a direct address would show it
+                prefix = first_prefix([result.net.addrs[p].split("/p2p/")[0]]) or ""
+                by_prefix[prefix] = by_prefix.get(prefix, 0) + 1
+            if cap and max(by_prefix.values(), default=0) > cap:
+                over.append((i, rec["round"]))
+        grouped = [(i, rec["round"]) for i, rec in with_attackers(result) if relayed & set(rec["group"])]
+        if over:
+            return f"{len(over)} honest peer-rounds grouped more than {cap} relayed attackers of one /24"
+        if grouped:
+            return f"{len(grouped)} honest peer-rounds grouped relayed attackers (prefix cap not reached)"
+        return None
+
+
+LIBRARY: dict[str, Attack] = {a.name: a for a in (
+    Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
+    DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
+    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
-_ = Callable  # (re-exported type for attack modules)

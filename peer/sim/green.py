@@ -43,9 +43,11 @@ async def spawn(fn: Callable[..., T], *args: Any) -> T:
             child.crashed = True
             while not child.dead:
                 try:
-                    child.throw(Crashed())
+                    pending = child.throw(Crashed())
                 except Crashed:
                     break
+                if asyncio.iscoroutine(pending):  # it caught Crashed and waits again: nothing runs for it now
+                    pending.close()
             raise
         except BaseException as e:  # delivered to the synchronous code, which decides what it means
             step = child.throw(e)
@@ -101,6 +103,10 @@ class GreenRunner:
         self.tasks: set[asyncio.Task[Any]] = set()  # started by ``submit`` and not done: cancelled on a crash
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        current = getcurrent()
+        if isinstance(current, _Green) and current.crashed:
+            coro.close()
+            raise Crashed()
         try:
             return wait(asyncio.wait_for(coro, timeout))
         except TimeoutError:

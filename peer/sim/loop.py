@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,8 +61,9 @@ class _Warp(selectors.BaseSelector):
 class VirtualLoop(asyncio.SelectorEventLoop):
     """A selector event loop whose clock only moves when nothing is ready to run."""
 
-    def __init__(self, epoch: float = EPOCH) -> None:
+    def __init__(self, epoch: float = EPOCH, cpu_scale: float = 0.0) -> None:
         self._virtual = 0.0
+        self.cpu_scale = cpu_scale
         self._epoch = epoch
         super().__init__(_Warp(self))
 
@@ -76,26 +78,45 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:  # type: ignore[override]
         """Runs ``func`` at once, on this thread (``asyncio.to_thread`` lands here): work that a
-        peer does off its loop costs no virtual time, and no thread can finish in a different order."""
+        peer does off its loop (encoding, reducing, auditing) costs no virtual time, and no thread
+        can finish in a different order. With ``cpu_scale`` > 0 it costs its measured wall time
+        times that (for calibrating against real processes; timings then vary from run to run)."""
         future = self.create_future()
+        t0 = time.perf_counter()
         try:
-            future.set_result(func(*args))
+            outcome: tuple[bool, Any] = (True, func(*args))
         except BaseException as e:  # delivered to whoever awaits it, as an executor would
-            future.set_exception(e)
+            outcome = (False, e)
+        delay = (time.perf_counter() - t0) * self.cpu_scale
+
+        def deliver() -> None:
+            if future.done():
+                return
+            if outcome[0]:
+                future.set_result(outcome[1])
+            else:
+                future.set_exception(outcome[1])
+
+        if delay > 0:
+            self.call_later(delay, deliver)
+        else:
+            deliver()
         return future
 
 
-def run(main: Any, epoch: float = EPOCH) -> Any:
+def run(main: Any, epoch: float = EPOCH, cpu_scale: float = 0.0) -> Any:
     """Runs the coroutine ``main`` on a fresh ``VirtualLoop`` and closes it; returns its result."""
-    loop = VirtualLoop(epoch)
+    loop = VirtualLoop(epoch, cpu_scale)
     try:
         return loop.run_until_complete(main)
     finally:
         try:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
+            for _ in range(100):  # cancelling a task may start others (a crashed peer's cleanup): until none is left
+                pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                if not pending:
+                    break
+                for task in pending:
+                    task.cancel()
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         finally:
             loop.close()

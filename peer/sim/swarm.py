@@ -16,6 +16,7 @@ partitions and their heals, peers that join mid-run, and attackers (peer/sim/att
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hashlib
 import json
@@ -75,6 +76,7 @@ class Scenario:
     step_s: float = 1.0  # seconds per inner step (each peer's speed varies +-10% around it)
     mbit: float = 100.0  # up and down, Mbit/s
     slow_mbit: float = 20.0
+    down_mbit: float = 0.0  # downlinks, Mbit/s (0: as the uplink)
     latency_s: float = 0.02  # one-way, per access link
     loss: float = 0.0  # probability that a stream a peer opens or takes fails at once
     nat_fraction: float = 0.0  # peers behind a NAT (outbound-only)
@@ -86,6 +88,7 @@ class Scenario:
     attacker_prefixes: int = 0  # the /24s the dishonest peers' addresses are in (0: one each)
     spec: tuple[tuple[str, Any], ...] = ()  # run spec fields that differ from ``spec_of``'s
     limit_s: float = 0.0  # virtual seconds the run may take (0: from the rounds and the deadlines)
+    cpu_scale: float = 0.0  # > 0: encoding, reducing and auditing cost their wall time x this (not deterministic)
 
     def run_spec(self) -> RunSpec:
         fields: dict[str, Any] = dict(name="sim", sync_every=self.sync_every, target_group_size=self.target,
@@ -131,6 +134,7 @@ class SimPeer:
         self.task: asyncio.Task[Any] | None = None
         self.alive = False
         self.done = False  # trained to the run's last round
+        self.gone = False  # crashed for good (no restart planned): the run does not wait for it
         self.failed: BaseException | None = None
         self.log: deque[str] = deque(maxlen=LOG_LINES)
         self.rng = random.Random(f"{swarm.scenario.seed}/{index}/compute")
@@ -167,6 +171,11 @@ class SimPeer:
         self.swarm.dht.leave(self.id)
         self.swarm.note(self, "crash", -1, {})
 
+    def kill(self) -> None:
+        """Crashes the peer for good (a SIGKILL without a restart)."""
+        self.gone = True
+        self.crash()
+
     def _ended(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled():
             return
@@ -189,11 +198,19 @@ class SimPeer:
         learner = QuadraticLearner(self.swarm.spec, sc.numel, sc.seed * 1_000_003 + self.index, self._compute,
                                    self._pause)
         wait(serve_dialback(link, self.behaviour))
-        seams = Seams(self.dht, link, learner, self.behaviour, save=self._save, pause=self._pause,
+        me = self.starts  # after a crash, what this incarnation's code still does on its way down is lost
+        seams = Seams(self.dht, link, learner, self.behaviour,
+                      save=lambda snapshot: self._save(snapshot) if self._live(me) else None, pause=self._pause,
                       rng=random.Random(f"{sc.seed}/{self.index}/{self.starts}"))
-        self.peer = Peer(seams, self.swarm.run_key, self.swarm.spec, SimMetrics(self._record), self._say)
+        self.peer = Peer(seams, self.swarm.run_key, self.swarm.spec,
+                         SimMetrics(lambda record: self._record(record) if self._live(me) else None),
+                         lambda line: self._say(line) if self._live(me) else None)
         self.incarnations.append(self.peer)
         return self.peer.run(self.disk, 0, until_round=sc.rounds)
+
+    def _live(self, incarnation: int) -> bool:
+        """Whether the code calling is the peer's current incarnation (a crashed one writes nothing)."""
+        return self.alive and incarnation == self.starts
 
     def _compute(self) -> float:
         jitter = self.swarm.scenario.jitter_s
@@ -265,7 +282,8 @@ class Swarm:
                 addr = public_addr(j % (scenario.attacker_prefixes or len(dishonest)), host=1 + j, base=200)
             peer = SimPeer(self, i, seeded_identity(scenario.seed, "peer", i), addr, behaviours.get(i, HONEST))
             rate = (scenario.slow_mbit if i in slow else scenario.mbit) * MBIT
-            self.net.rates[peer.id] = self.net.down[peer.id] = rate
+            self.net.rates[peer.id] = rate
+            self.net.down[peer.id] = scenario.down_mbit * MBIT if scenario.down_mbit else rate
             self.net.latency[peer.id] = scenario.latency_s
             if scenario.loss:
                 self.net.loss[peer.id] = scenario.loss
@@ -277,7 +295,7 @@ class Swarm:
             for peer in attackers:
                 peer.behaviour = attack.behaviour(self, peer) or peer.behaviour
                 peer.runs = peer.runs and attack.runs_peer
-            self.actors.append(lambda swarm, attack=attack: attack.actor(swarm, attackers))
+            self.actors.append(functools.partial(attack.actor, attackers=attackers))
 
     # ---- what the peers report --------------------------------------------------------------------
 
@@ -328,7 +346,7 @@ class Swarm:
         deadline = self.limit()
         while clock.now() < deadline:
             honest = [p for p in self.peers if p.honest]
-            if all(p.done or p.failed is not None for p in honest) and not self._pending_restarts(loop):
+            if all(p.done or p.gone or p.failed is not None for p in honest) and not self._pending_restarts(loop):
                 break
             await asyncio.sleep(min(5.0, deadline - clock.now()))
         for actor_task in actors:
@@ -346,9 +364,11 @@ class Swarm:
         targets = [self.peers[i] for i in event.peers]
         if event.kind == "crash":
             for peer in targets:
-                peer.crash()
                 if event.until:
+                    peer.crash()
                     loop.call_at(event.at + event.until, self._restart, peer)
+                else:
+                    peer.kill()
         elif event.kind == "partition":
             for peer in targets:
                 self.net.partition[peer.id] = 1
@@ -357,6 +377,11 @@ class Swarm:
                 loop.call_at(event.until, self._heal, event)
         else:
             raise ValueError(f"unknown event kind {event.kind!r}")
+
+    def crash(self, index: int, restart_after: float = 0.0) -> None:
+        """Crashes peer ``index`` now (from a Behaviour's point, say); restarts it ``restart_after``
+        seconds later with its checkpoint (never if 0)."""
+        self._fire(Event(clock.now(), "crash", (index,), restart_after))
 
     def _restart(self, peer: SimPeer) -> None:
         if not peer.alive and not peer.done:
@@ -374,13 +399,13 @@ class Swarm:
         gc.freeze()  # what exists now (modules, the peers' plans) is never garbage: not scanned again
         gc.set_threshold(*GC_THRESHOLDS)
         try:
-            virtual = vloop.run(self._run())
+            virtual = vloop.run(self._run(), cpu_scale=self.scenario.cpu_scale)
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
         wall = time.perf_counter() - t0
         trace_hash = hashlib.sha256("\n".join(self.trace).encode()).hexdigest()
-        stalled = not all(p.done or p.failed is not None for p in self.peers if p.honest)
+        stalled = not all(p.done or p.gone or p.failed is not None for p in self.peers if p.honest)
         return Result(self.scenario, self.records, self.trace, trace_hash, virtual, wall, self.peers, self.net,
                       self.dht, stalled)
 

@@ -1,0 +1,171 @@
+"""The attack search: random schedules of attackers, attacks and honest churn, with invariants checked.
+
+A schedule is drawn from its seed alone (``schedule``): the run's size and group target, f < n/3
+attacker identities on M of their own /24s (1 <= M <= f), one or two attacks of the library
+(peer/sim/attacks.py), readiness jitter, and perhaps an honest peer that crashes and restarts. So a
+violation is reproduced by its seed (``replay``), on any machine.
+
+The invariants, checked on the run's result (``check``):
+
+- I1: no honest peer ends on a state that descends from a round in which an honest peer applied
+  an update from a group without an honest majority, or whose shard reduced by an attacker was
+  audited by no honest member;
+- I2: distinct honest states per round (measured; step 13 makes it 1);
+- I3: no honest peer is banned by an honest peer;
+- I4: the fraction of honest peer-rounds that completed (measured);
+- I5: every container a peer holds stays within ``MAX_CONTAINER`` entries (memory per peer bounded).
+
+I2 and I4 are numbers, not pass/fail: they are reported per schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hivetrain.peer.sim.attacks import LIBRARY
+from hivetrain.peer.sim.measure import ancestors, final_states, lineage
+from hivetrain.peer.sim.swarm import Event, Result, Scenario, simulate
+
+MAX_CONTAINER = 8192  # entries; a schedule has at most a few dozen peers: anything past this grew without bound
+WALK_DEPTH = 4  # attribute levels below a peer that I5 inspects
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    seed: int
+    attack: str
+    summary: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"invariant": self.invariant, "seed": self.seed, "attack": self.attack, "summary": self.summary}
+
+
+def schedule(seed: int) -> Scenario:
+    """The random schedule of ``seed`` (deterministic)."""
+    rng = random.Random(f"search/{seed}")
+    n = rng.randint(6, 14)
+    f = rng.randint(1, (n - 1) // 3)  # f < n/3
+    prefixes = rng.randint(1, f)
+    attacks = tuple(sorted(rng.sample(sorted(LIBRARY), rng.choice((1, 1, 2)))))
+    dishonest = tuple(sorted(rng.sample(range(n), f)))
+    honest = [i for i in range(n) if i not in dishonest]
+    events: tuple[Event, ...] = ()
+    if rng.random() < 0.4:  # honest churn: one peer crashes during the run and restarts from its checkpoint
+        events = (Event(at=round(rng.uniform(3.0, 25.0), 3), kind="crash", peers=(rng.choice(honest),),
+                        until=round(rng.uniform(2.0, 15.0), 3)),)
+    return Scenario(peers=n, rounds=4, target=rng.choice((4, 8)), jitter_s=rng.choice((0.0, 3.0)), seed=seed,
+                    numel=1024, dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events)
+
+
+def _tainted(result: Result) -> dict[str, str]:
+    """state hash -> why, for every round an honest peer completed that I1 forbids."""
+    bad = {p.id for p in result.peers if not p.honest}
+    honest = {p.index for p in result.honest()}
+    out: dict[str, str] = {}
+    for i, rec in result.records:
+        if i not in honest or rec.get("event") != "round" or rec.get("void"):
+            continue
+        group = list(rec.get("group", ()))
+        attackers = sum(p in bad for p in group)
+        if attackers and 2 * attackers >= len(group):
+            out.setdefault(rec["state_hash"], f"peer {i} round {rec['round']}: applied a group of {len(group)} "
+                                              f"with {attackers} attackers (no honest majority)")
+            continue
+        reducers, auditors = rec.get("reducers") or [], rec.get("auditors") or []
+        for k, (reducer, auditor) in enumerate(zip(reducers, auditors, strict=False)):
+            if reducer in bad and (auditor is None or auditor in bad):
+                out.setdefault(rec["state_hash"], f"peer {i} round {rec['round']}: shard {k} reduced by an attacker "
+                                                  f"and audited by {'nobody' if auditor is None else 'an attacker'}")
+                break
+    return out
+
+
+def _containers(obj: Any, depth: int, seen: set[int]) -> Iterator[tuple[str, int]]:
+    """(path, entries) of the dicts, sets, lists and deques reachable from ``obj`` by attributes."""
+    if depth < 0 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return
+    for name, value in attrs.items():
+        if isinstance(value, dict | set | frozenset | list | tuple) or type(value).__name__ == "deque":
+            try:
+                yield name, len(value)
+            except TypeError:
+                continue
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("hivetrain"):
+            for path, size in _containers(value, depth - 1, seen):
+                yield f"{name}.{path}", size
+
+
+def check(result: Result) -> tuple[list[tuple[str, str]], dict[str, float]]:
+    """([(invariant, summary)] broken, {measured: value}) for one finished run."""
+    broken: list[tuple[str, str]] = []
+    parent = lineage(result)
+    tainted = _tainted(result)
+    for index, state in sorted(final_states(result).items()):
+        hit = tainted.keys() & ancestors(state, parent)
+        if hit:
+            broken.append(("I1", f"honest peer {index} ends on a state built on: {tainted[min(hit)]}"))
+            break
+    honest_ids = {p.id: p.index for p in result.honest()}
+    for peer in result.honest():
+        for incarnation in peer.incarnations:
+            for victim, index in honest_ids.items():
+                why = incarnation.averager.ctx.bans.why(victim)
+                if why is not None:
+                    broken.append(("I3", f"honest peer {peer.index} banned honest peer {index}: {why}"))
+    for peer in result.peers:
+        for incarnation in peer.incarnations[-1:]:
+            for path, size in _containers(incarnation, WALK_DEPTH, set()):
+                if size > MAX_CONTAINER:
+                    broken.append(("I5", f"peer {peer.index} holds {size} entries in {path}"))
+    honest = {p.index for p in result.honest()}
+    rounds = [rec for i, rec in result.records if i in honest and rec.get("event") == "round"]
+    per_round: dict[int, set[str]] = {}
+    for rec in rounds:
+        per_round.setdefault(rec["round"], set()).add(rec["state_hash"])
+    completed = sum(not rec.get("void") for rec in rounds)
+    expected = len(honest) * result.scenario.rounds
+    measured = {"I2_states_per_round": max((len(v) for v in per_round.values()), default=0),
+                "I4_completed_fraction": round(completed / max(1, expected), 4)}
+    return broken, measured
+
+
+def story(result: Result, lines: int = 40) -> list[str]:
+    """A shortened trace of the run: its faults, every void round and sync, and the last events."""
+    faults = [t for t in result.trace if any(w in t for w in ('"crash"', '"start"', '"partition"', '"heal"',
+                                                               '"void": true', '"sync"', '"failed"'))][: lines // 2]
+    return [*faults, "...", *result.trace[-(lines - len(faults)):]]
+
+
+def run_one(seed: int) -> tuple[Scenario, Result, list[Violation], dict[str, float]]:
+    sc = schedule(seed)
+    result = simulate(sc)
+    broken, measured = check(result)
+    attack = "+".join(sc.attacks)
+    return sc, result, [Violation(inv, seed, attack, summary) for inv, summary in broken], measured
+
+
+def search(budget_s: float, seed: int = 0, progress: Any = None) -> tuple[int, list[Violation], list[dict[str, Any]]]:
+    """Runs schedules seed, seed+1, ... until ``budget_s`` seconds of wall time are spent (at least one);
+    returns (schedules run, violations, one summary per schedule)."""
+    t0 = time.perf_counter()
+    n, violations, rows = 0, [], []
+    while n == 0 or time.perf_counter() - t0 < budget_s:
+        sc, result, found, measured = run_one(seed + n)
+        violations.extend(found)
+        row = {"seed": seed + n, "peers": sc.peers, "attackers": len(sc.dishonest), "prefixes": sc.attacker_prefixes,
+               "attacks": list(sc.attacks), "churn": bool(sc.events), "violations": sorted({v.invariant for v in found}),
+               "wall_s": round(result.wall_s, 2), **measured}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+        n += 1
+    return n, violations, rows

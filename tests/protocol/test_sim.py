@@ -1,0 +1,89 @@
+"""The simulator (peer/sim/): deterministic runs of whole peers, and the churn and partition results of
+the real-process tests (tests/integration/test_churn.py, test_partition.py) reproduced in virtual time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.sim.measure import row
+from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def rounds_of(result: Result, index: int) -> dict[int, dict[str, Any]]:
+    return {rec["round"]: rec for i, rec in result.records if i == index and rec.get("event") == "round"}
+
+
+def test_the_same_seed_gives_the_same_trace_and_another_seed_another() -> None:
+    sc = Scenario(peers=6, rounds=3, target=4, jitter_s=2.0, slow_fraction=0.2, seed=3)
+    a, b, c = simulate(sc), simulate(sc), simulate(sc, seed=4)
+    assert a.trace == b.trace and a.trace_hash == b.trace_hash
+    assert c.trace_hash != a.trace_hash
+    assert row(a)["trace_hash"] == a.trace_hash
+    finals = [[rec["state_hash"] for i, rec in r.records if rec.get("event") == "round"] for r in (a, b)]
+    assert finals[0] == finals[1] and finals[0]  # the same states, bit for bit (state hashes)
+    assert not a.stalled and a.virtual_s > 3 * 4 * 0.9  # three rounds of four ~1 s inner steps each, at least
+
+
+class KillAt(Behaviour):
+    """SIGKILL at a point of round 1, as ``--fault kill@POINT:1`` does in the real-process tests;
+    ``restart_after`` > 0: the peer starts again that much later, from its checkpoint."""
+
+    def __init__(self, point: str, restart_after: float = 0.0):
+        self.point, self.restart_after = point, restart_after
+        self.swarm: Swarm | None = None
+        self.index, self.fired = -1, False
+
+    def at(self, point: str, round_: int) -> None:
+        if (point, round_) == (self.point, 1) and not self.fired and self.swarm is not None:
+            self.fired = True
+            self.swarm.crash(self.index, self.restart_after)
+
+
+@pytest.mark.parametrize("point", ["after_matchmaking", "after_parts", "before_results"])
+def test_a_peer_killed_inside_the_allreduce_leaves_survivors_void_or_agreeing(point: str) -> None:
+    kill = KillAt(point)
+    swarm = Swarm(Scenario(peers=4, rounds=4, target=4, seed=11, behaviours=((3, kill),)))
+    kill.swarm, kill.index = swarm, 3
+    result = swarm.run()
+    assert kill.fired and result.peers[3].gone
+    survivors = [0, 1, 2]
+    ids = {result.peers[i].id: i for i in survivors}
+    round1 = {i: rounds_of(result, i)[1] for i in survivors}
+    assert result.peers[3].id in set().union(*(r.get("group", ()) for r in round1.values())) or \
+        all(r["void"] for r in round1.values()), round1  # the victim was in their group (it died inside the round)
+    for r in round1.values():  # never a mix of partials: who applied did so with every member, bit-identical
+        if not r["void"]:
+            assert all(m in ids and not round1[ids[m]]["void"] and round1[ids[m]]["state_hash"] == r["state_hash"]
+                       for m in r["group"]), round1
+    round2 = [rounds_of(result, i)[2] for i in survivors]
+    assert all(not r["void"] and set(ids) <= set(r["group"]) for r in round2), round2
+    assert len({r["state_hash"] for r in round2}) == 1
+
+
+def test_a_partition_heals_into_one_state() -> None:
+    # two rounds together, then {0, 1} | {2, 3} for about four rounds, then healed
+    result = simulate(Scenario(peers=4, rounds=12, target=4, seed=5,
+                               events=(Event(at=12.0, kind="partition", peers=(2, 3), until=32.0),)))
+    assert not result.stalled
+    during = [rec for i, rec in result.records if rec.get("event") == "round" and 16.0 < rec["t"] < 30.0]
+    assert during and all(rec["void"] or rec["group_size"] <= 2 for rec in during), during
+    finals = [rounds_of(result, i)[11] for i in range(4)]
+    assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 4 for r in finals), finals
+    syncs = [rec for _, rec in result.records if rec.get("event") == "sync" and rec["t"] > 32.0]
+    assert syncs, "no side re-synced after the heal"
+
+
+def test_a_crashed_peer_restarts_from_its_checkpoint_and_ends_identical() -> None:
+    kill = KillAt("after_round", restart_after=3.0)
+    swarm = Swarm(Scenario(peers=3, rounds=8, target=3, seed=2, behaviours=((2, kill),)))
+    kill.swarm, kill.index = swarm, 2
+    result = swarm.run()
+    assert not result.stalled and kill.fired and result.peers[2].starts == 2
+    assert any("resumed from checkpoint: round" in line for line in result.peers[2].log)
+    finals = [rounds_of(result, i)[7] for i in range(3)]
+    assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 3 for r in finals), finals

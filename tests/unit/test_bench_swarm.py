@@ -1,0 +1,53 @@
+"""bench.swarm: the table's keys and JSON, the search's output, replay by seed, bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import swarm as bench
+from hivetrain.peer.sim.search import check, schedule
+from hivetrain.peer.sim.swarm import simulate
+
+KEYS = {"peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
+        "single_state_fraction", "discarded_fraction", "data_bytes_per_peer_round", "control_bytes_per_peer_round",
+        "dht_reads_per_peer_round", "hot_holder_bytes_per_round", "matchmaking_s", "allreduce_over_bound",
+        "utilization", "wall_s", "virtual_s", "trace_hash"}
+
+
+def last_json(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_one_configuration_prints_a_row_with_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--peers", "6", "--rounds", "2", "--target", "4", "--jitter", "2", "--json"]) == 0
+    (r,) = last_json(capsys)["results"]
+    assert KEYS <= set(r) and (r["peers"], r["rounds"], r["target"], r["jitter_s"]) == (6, 2, 4, 2.0)
+    assert r["states_per_round"] >= 1 and 0 <= r["single_state_fraction"] <= 1 and r["virtual_s"] > 0
+    assert r["data_bytes_per_peer_round"] > 0 and r["dht_reads_per_peer_round"] > 0
+
+
+def test_the_search_reports_schedules_and_violations_with_their_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--search", "--budget", "0.1", "--seed", "17", "--json"]) == 0
+    out = last_json(capsys)
+    assert out["schedules"] >= 1
+    for v in out["violations"]:
+        assert set(v) == {"invariant", "seed", "attack", "summary"} and v["invariant"] in ("I1", "I3", "I5")
+
+
+def test_a_schedule_is_drawn_from_its_seed_alone_and_replays_bit_for_bit() -> None:
+    a, b = schedule(17), schedule(17)
+    assert a == b and schedule(18) != a
+    assert 3 * len(a.dishonest) < a.peers and 1 <= a.attacker_prefixes <= len(a.dishonest) and a.attacks
+    first, again = simulate(a), simulate(b)
+    assert first.trace_hash == again.trace_hash
+    assert check(first)[0] == check(again)[0]
+
+
+@pytest.mark.parametrize("argv", [["--peers", "-1"], ["--target", "1"], ["--search", "--budget", "0"],
+                                  ["--slow", "2"], ["--replay", "x"]])
+def test_bad_arguments_are_refused_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
