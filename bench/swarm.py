@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -83,7 +84,7 @@ def run_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n, target, jitter, slow, rounds in configs:
         result = simulate(Scenario(peers=n, target=target, jitter_s=jitter, slow_fraction=slow, rounds=rounds,
-                                   seed=args.seed))
+                                   seed=args.seed, numel=args.numel))
         r = row(result)
         rows.append(r)
         print(f"| {format_row(r)} |" + (" (stalled)" if r["stalled"] else ""), flush=True)
@@ -99,10 +100,13 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
               f"{','.join(r['violations']) or 'held'} (states/round {r['I2_states_per_round']}, "
               f"completed {r['I4_completed_fraction']:.2f}, {r['wall_s']:.1f} s)", flush=True)
 
-    n, violations, _ = search(args.budget, args.seed, progress)
+    n, violations, rows = search(args.budget, args.seed, progress)
+    stories = {r["seed"]: r["story"] for r in rows if "story" in r}
     print(f"{n} schedules, {len(violations)} violations", flush=True)
     for v in violations:
         print(f"  {v.invariant} seed {v.seed} [{v.attack}]: {v.summary}   (python -m bench.swarm --replay {v.seed})")
+        for line in stories.pop(v.seed, []):  # the run's faults and its last events, once per seed
+            print(f"      {line}")
     return {"schedules": n, "violations": [v.as_dict() for v in violations]}
 
 
@@ -177,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", type=int, default=4, help="target group size (with --peers)")
     ap.add_argument("--jitter", type=float, default=0.0, help="readiness jitter in seconds (with --peers)")
     ap.add_argument("--slow", type=float, default=0.0, help="fraction of peers at 20 Mbit/s (with --peers)")
+    ap.add_argument("--numel", type=int, default=4096,
+                    help="values in the run's vector (default 4096: the links idle; 1M and up: bandwidth shows)")
     ap.add_argument("--search", action="store_true", help="random attack schedules with invariants")
     ap.add_argument("--budget", type=float, default=60.0, help="wall seconds for --search (default 60)")
     ap.add_argument("--calibrate", action="store_true", help="bench.utilization's three peers, simulated")
@@ -185,14 +191,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--real-json", default=None, help="--calibrate: bench.utilization --json output to compare with")
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule of the search")
     args = ap.parse_args(argv)
-    if args.peers < 0 or args.rounds < 0 or args.budget <= 0 or args.target < 2 or not 0 <= args.slow <= 1 \
+    if args.peers < 0 or args.rounds < 0 or args.numel < 1024 or args.budget <= 0 or args.target < 2 or not 0 <= args.slow <= 1 \
             or args.jitter < 0:
-        ap.error("--peers/--rounds must be >= 0, --target >= 2, --budget > 0, --slow in [0, 1], --jitter >= 0")
+        ap.error("--peers/--rounds must be >= 0, --numel >= 1024, --target >= 2, --budget > 0, --slow in [0, 1], --jitter >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # thousands of simulated peers share this process's loggers: their lines (bans, void shards) are in
+    # each peer's own log (SimPeer.log, shown by --replay), not on stderr
+    logging.getLogger("hivetrain").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     if args.replay is not None:
         out: dict[str, Any] = run_replay(args.replay)

@@ -155,7 +155,8 @@ def run_one(seed: int) -> tuple[Scenario, Result, list[Violation], dict[str, flo
 
 def search(budget_s: float, seed: int = 0, progress: Any = None) -> tuple[int, list[Violation], list[dict[str, Any]]]:
     """Runs schedules seed, seed+1, ... until ``budget_s`` seconds of wall time are spent (at least one);
-    returns (schedules run, violations, one summary per schedule)."""
+    returns (schedules run, violations, one summary per schedule: with ``story``, the shortened
+    trace, where an invariant broke)."""
     t0 = time.perf_counter()
     n, violations, rows = 0, [], []
     while n == 0 or time.perf_counter() - t0 < budget_s:
@@ -164,6 +165,8 @@ def search(budget_s: float, seed: int = 0, progress: Any = None) -> tuple[int, l
         row = {"seed": seed + n, "peers": sc.peers, "attackers": len(sc.dishonest), "prefixes": sc.attacker_prefixes,
                "attacks": list(sc.attacks), "churn": bool(sc.events), "violations": sorted({v.invariant for v in found}),
                "wall_s": round(result.wall_s, 2), **measured}
+        if found:
+            row["story"] = story(result, lines=16)
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -78,8 +78,12 @@ class HeartbeatPublisher:
             return
         if self._pending is not None:
             self._pending.cancel()
-        self._pending = self.dht.submit(asyncio.wait_for(self.dht.astore(envelope), self.dht.timeout))
+        self._pending = self.dht.submit(self._store(envelope))
         self._pending.add_done_callback(self._report)
+
+    async def _store(self, envelope: Envelope) -> bool:
+        # the store is made here, on the loop: a publish cancelled before it ran leaves no coroutine unawaited
+        return bool(await asyncio.wait_for(self.dht.astore(envelope), self.dht.timeout))
 
     def _report(self, future: FutureLike) -> None:
         if not future.cancelled() and (e := future.exception()) is not None:

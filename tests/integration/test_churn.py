@@ -66,7 +66,9 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
     assert joiner_id in later["group"] and joiner_id not in later["excluded"], later
 
 
-@pytest.mark.parametrize("point", ["after_matchmaking", "after_parts", "before_results"])
+# the same at every point of the round (after matchmaking, after the parts, before the results) runs in
+# virtual time in tests/protocol/test_sim.py; here one point, with a real process and a real SIGKILL
+@pytest.mark.parametrize("point", ["after_parts"])
 def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: str) -> None:
     common = [*FAST, "--until-round", "4", "--quiet", "--wait-for-peers", "4"]
     owner = swarm("p0", "--new-run", "kills", "--target-group-size", "4", "--matchmaking-timeout", "6", *common)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from bench import swarm as bench
-from hivetrain.peer.sim.search import check, schedule
-from hivetrain.peer.sim.swarm import simulate
+from hivetrain.peer.sim.search import MAX_CONTAINER, check, schedule
+from hivetrain.peer.sim.swarm import Scenario, simulate
 
 KEYS = {"peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
         "single_state_fraction", "discarded_fraction", "data_bytes_per_peer_round", "control_bytes_per_peer_round",
@@ -51,3 +51,15 @@ def test_bad_arguments_are_refused_with_a_message(argv: list[str], capsys: pytes
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_the_invariants_see_a_group_without_an_honest_majority_and_an_unbounded_container() -> None:
+    # one honest peer and one attacker identity (an honest peer's code, counted as an attacker): every
+    # round is a pair without an honest majority, which I1 must report; I5 must see a container grown past
+    # its bound (planted here: the checker is what is tested)
+    result = simulate(Scenario(peers=2, rounds=2, target=2, seed=1, dishonest=(1,)))
+    broken, measured = check(result)
+    assert any(inv == "I1" and "no honest majority" in why for inv, why in broken), broken
+    assert measured["I4_completed_fraction"] == 1.0
+    result.peers[0].incarnations[-1].averager.planted = dict.fromkeys(range(MAX_CONTAINER + 1))
+    assert any(inv == "I5" and "planted" in why for inv, why in check(result)[0])
