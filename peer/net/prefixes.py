@@ -36,6 +36,7 @@ What they do NOT stop:
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from multiaddr import Multiaddr
@@ -118,16 +119,19 @@ def cap_by_prefix(
         raise ValueError("cap_by_prefix: members must be distinct peer ids")
     if cap <= 0:
         return list(members), {}
+    counts = Counter(map(prefixes.get, members))  # (called for every view a peer sends: most prefixes hold one)
+    crowded = {prefix for prefix, n in counts.items() if n > cap and prefix is not None}
+    if not crowded:
+        return list(members), {}
     by_prefix: dict[str, list[str]] = {}
     for peer in members:
         prefix = prefixes.get(peer)
-        if prefix is not None:
+        if prefix in crowded:
             by_prefix.setdefault(prefix, []).append(peer)
     dropped: dict[str, str] = {}
     for prefix, peers in by_prefix.items():
-        if len(peers) > cap:
-            for peer in sorted(peers, key=lambda p: (rank(p), p))[cap:]:
-                dropped[peer] = f"{len(peers)} members in {prefix}, at most {cap} per prefix"
+        for peer in sorted(peers, key=lambda p: (rank(p), p))[cap:]:
+            dropped[peer] = f"{len(peers)} members in {prefix}, at most {cap} per prefix"
     return [p for p in members if p not in dropped], dropped
 
 

@@ -56,20 +56,22 @@ def tips(states: Iterable[str], parent: dict[str, str]) -> set[str]:
     return states - behind
 
 
-def _traffic(result: Result) -> tuple[Counter[str], int, int, int]:
-    """Requester-side bytes by request type (each exchange counted once, both directions), and the
-    honest peers' DHT reads and bytes (reads and writes)."""
+def _traffic(result: Result) -> tuple[Counter[str], int, int, int, int]:
+    """Requester-side bytes by request type (each exchange counted once, both directions), the
+    honest peers' DHT reads and bytes (reads and writes), and the requests they sent."""
     by_kind: Counter[str] = Counter()
-    reads = dht_bytes = 0
+    reads = dht_bytes = requests = 0
     for peer in result.honest():
         for incarnation in peer.incarnations:
             by_kind.update(incarnation.averager.ctx.traffic.by_kind)
             by_kind.update(incarnation.sync.traffic.by_kind)
+            requests += sum(incarnation.averager.ctx.traffic.requests.values())
+            requests += sum(incarnation.sync.traffic.requests.values())
         costs = result.dht.costs.get(peer.id)
         if costs is not None:
             reads += costs.reads
             dht_bytes += costs.read_bytes + costs.write_bytes
-    return by_kind, reads, dht_bytes, len(result.honest())
+    return by_kind, reads, dht_bytes, len(result.honest()), requests
 
 
 def row(result: Result) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def row(result: Result) -> dict[str, Any]:
     completed = [rec for rec in rounds if not rec.get("void")]
     on_main = sum(rec["state_hash"] in kept for rec in completed)
     peer_rounds = max(1, len(rounds))
-    by_kind, reads, dht_bytes, n_honest = _traffic(result)
+    by_kind, reads, dht_bytes, n_honest, requests = _traffic(result)
     per = max(1, n_honest * sc.rounds)
     data = sum(by_kind[k] for k in DATA_KINDS)
     control = sum(by_kind.values()) - data + dht_bytes
@@ -119,5 +121,6 @@ def row(result: Result) -> dict[str, Any]:
         "trace_hash": result.trace_hash,
         "void_fraction": round(sum(bool(rec.get("void")) for rec in rounds) / peer_rounds, 4),
         "syncs_per_round": round(len(syncs) / max(1, sc.rounds), 2),
+        "requests_per_peer_round": round(requests / per, 1),  # what a peer-round costs the simulator
         "seed": sc.seed, "stalled": result.stalled,
     }
