@@ -37,8 +37,9 @@ import sys
 import time
 from typing import Any
 
+from hivetrain.dht import clock
 from hivetrain.peer.sim.measure import row
-from hivetrain.peer.sim.swarm import Scenario, simulate
+from hivetrain.peer.sim.swarm import Scenario, Swarm, simulate
 
 PEERS = (8, 16, 32, 72, 128, 256, 1000)
 TARGETS = (4, 8)
@@ -74,6 +75,23 @@ def format_row(r: dict[str, Any]) -> str:
     return " | ".join(cell(r.get(k)) for k in COLUMNS)
 
 
+class Progress:
+    """Says on stderr, at most every ``every`` wall seconds, how far a long simulated run is."""
+
+    def __init__(self, every: float = 30.0):
+        self.every, self.t0, self.last = every, time.perf_counter(), time.perf_counter()
+
+    def __call__(self, swarm: Swarm) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        rounds = sum(1 for _, rec in swarm.records if rec.get("event") == "round")
+        total = swarm.scenario.peers * swarm.scenario.rounds
+        print(f"  [{now - self.t0:5.0f} s] {swarm.scenario.peers} peers: virtual {clock.now():.0f} s, "
+              f"{rounds} of {total} peer-rounds recorded", file=sys.stderr, flush=True)
+
+
 def run_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.peers:
         configs = [(args.peers, args.target, args.jitter, args.slow, args.rounds or 4)]
@@ -84,7 +102,7 @@ def run_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n, target, jitter, slow, rounds in configs:
         result = simulate(Scenario(peers=n, target=target, jitter_s=jitter, slow_fraction=slow, rounds=rounds,
-                                   seed=args.seed, numel=args.numel))
+                                   seed=args.seed, numel=args.numel), progress=Progress())
         r = row(result)
         rows.append(r)
         print(f"| {format_row(r)} |" + (" (stalled)" if r["stalled"] else ""), flush=True)

@@ -269,6 +269,7 @@ class Swarm:
         self.records: list[tuple[int, dict[str, Any]]] = []
         self.trace: list[str] = []
         self.actors: list[Callable[[Swarm], Any]] = []  # outside attackers: coroutines started with the run
+        self.progress: Callable[[Swarm], None] | None = None  # called every 5 virtual seconds (long runs say how far)
         behaviours = dict(scenario.behaviours)
         self.attacks = attack_plan(scenario)
         rng = random.Random(f"{scenario.seed}/world")
@@ -348,6 +349,8 @@ class Swarm:
             honest = [p for p in self.peers if p.honest]
             if all(p.done or p.gone or p.failed is not None for p in honest) and not self._pending_restarts(loop):
                 break
+            if self.progress is not None:
+                self.progress(self)
             await asyncio.sleep(min(5.0, deadline - clock.now()))
         for actor_task in actors:
             actor_task.cancel()
@@ -423,6 +426,9 @@ def attack_plan(scenario: Scenario) -> list[Any]:
     return [LIBRARY[name] for name in scenario.attacks]
 
 
-def simulate(scenario: Scenario, **changes: Any) -> Result:
-    """Runs ``scenario`` (with ``changes`` applied) and returns its result."""
-    return Swarm(replace(scenario, **changes) if changes else scenario).run()
+def simulate(scenario: Scenario, progress: Callable[[Swarm], None] | None = None, **changes: Any) -> Result:
+    """Runs ``scenario`` (with ``changes`` applied) and returns its result; ``progress(swarm)`` is
+    called every 5 virtual seconds."""
+    swarm = Swarm(replace(scenario, **changes) if changes else scenario)
+    swarm.progress = progress
+    return swarm.run()
