@@ -219,16 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # thousands of simulated peers share this process's loggers: their lines (bans, void shards) are in
     # each peer's own log (SimPeer.log, shown by --replay), not on stderr
-    logging.getLogger("hivetrain").setLevel(logging.ERROR)
+    logger = logging.getLogger("hivetrain")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    if args.replay is not None:
-        out: dict[str, Any] = run_replay(args.replay)
-    elif args.calibrate:
-        out = {"results": run_calibration(args)}
-    elif args.search:
-        out = run_search(args)
-    else:
-        out = {"results": run_table(args)}
+    try:
+        if args.replay is not None:
+            out: dict[str, Any] = run_replay(args.replay)
+        elif args.calibrate:
+            out = {"results": run_calibration(args)}
+        elif args.search:
+            out = run_search(args)
+        else:
+            out = {"results": run_table(args)}
+    finally:
+        logger.setLevel(level)
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.json:
         print(json.dumps(out))
