@@ -87,3 +87,15 @@ def test_a_crashed_peer_restarts_from_its_checkpoint_and_ends_identical() -> Non
     assert any("resumed from checkpoint: round" in line for line in result.peers[2].log)
     finals = [rounds_of(result, i)[7] for i in range(3)]
     assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 3 for r in finals), finals
+
+
+def test_peers_behind_nat_that_join_later_train_with_the_open_peer() -> None:
+    # as tests/integration/test_nat.py, without root: the open peer starts, two peers behind NAT join at 12 s
+    result = simulate(Scenario(peers=3, rounds=6, target=3, nat_fraction=0.67, seed=7, join_at=(0.0, 12.0, 12.0)))
+    assert {p.index for p in result.peers if p.id in result.net.behind_nat} == {1, 2}  # the NAT is there
+    assert not result.stalled
+    for i in (1, 2):
+        assert any("reachability: behind NAT" in line for line in result.peers[i].log), list(result.peers[i].log)
+    last = [rounds_of(result, i)[5] for i in range(3)]
+    assert all(not r["void"] and r["group_size"] == 3 for r in last), last
+    assert len({r["state_hash"] for r in last}) == 1
