@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, fields
 
 WINDOW = 60.0  # seconds: the sliding window of the per-source request quota
@@ -117,6 +117,18 @@ def victims(holdings: Holdings, incoming: Source, count: int) -> list[EntryId]:
         if queue:  # its latest expiration is unchanged
             heapq.heappush(heap, (held + 1, not_incoming, latest, next(order), source))
     return out
+
+
+def shrink(holdings: Callable[[], Holdings], size: Callable[[], int], cap: int, incoming: Source,
+           evict: Callable[[EntryId], None]) -> None:
+    """Evicts ``victims`` until ``size()`` fits ``cap``. ``evict`` must take each victim out of the
+    ledger behind ``holdings`` (so the loop ends); it stops early when nothing is left to evict."""
+    while (excess := size() - cap) > 0:
+        chosen = victims(holdings(), incoming, excess)
+        if not chosen:
+            return  # only entries that no source holds (ours) are left
+        for victim in chosen:
+            evict(victim)
 
 
 class Ledger:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import clock, hardening
-from .quota import EntryId, Holdings, Ledger, QuotaConfig, RateWindow, RejectionLog, Source, victims
+from .quota import EntryId, Ledger, QuotaConfig, RateWindow, RejectionLog, Source, shrink
 
 logger = logging.getLogger(__name__)
 _REGULAR = object()  # the subkey slot of a plain (non-dictionary) value
@@ -177,18 +177,11 @@ class StoreGuard:
                 self.counts["evicted_others"] += 1
                 logger.debug("DHT store quota: evicted an entry of peer %s for peer %s", owner[0], source)
 
-        def shrink(holdings: Callable[[], Holdings], size: Callable[[], int], cap: int, reason: str) -> None:
-            while (excess := size() - cap) > 0:
-                chosen = victims(holdings(), source, excess)
-                if not chosen:
-                    return  # only entries we stored ourselves are left
-                for victim in chosen:  # each one leaves the ledger: the loop ends
-                    evict(victim, reason)
-
         for group in groups:
             shrink(functools.partial(self.ledger.in_group, group), functools.partial(_group_size, protocol, group),
-                   self.config.max_subkeys_per_key, "subkey_cap")
-        shrink(self.ledger.by_source, lambda: len(self.ledger), self.config.max_entries, "storage_cap")
+                   self.config.max_subkeys_per_key, source, functools.partial(evict, reason="subkey_cap"))
+        shrink(self.ledger.by_source, lambda: len(self.ledger), self.config.max_entries, source,
+               functools.partial(evict, reason="storage_cap"))
         return evicted
 
     def _reject(self, source: Source, reason: str, count: int, now: float) -> None:

@@ -18,6 +18,7 @@ takes ``op_rtts`` round trips of the reader's latency in virtual time.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import msgpack
 from hivetrain.dht import clock
 from hivetrain.dht.errors import DHTTimeout, InvalidRecord
 from hivetrain.dht.identity import Identity
-from hivetrain.dht.quota import Ledger, QuotaConfig, RateWindow, victims
+from hivetrain.dht.quota import Ledger, QuotaConfig, RateWindow, shrink
 from hivetrain.dht.records import Envelope
 from hivetrain.dht.validator import check_record
 from hivetrain.peer.net.memory import MemoryNetwork
@@ -89,26 +90,25 @@ class Node:
         return entry not in evicted
 
     def _trim(self, source: str, group: tuple[str, str]) -> set[Any]:
+        """As dht/store_guard.py trims: the largest holders lose entries until the key and the total fit."""
         evicted: set[Any] = set()
-        for holdings, size, cap, why in (
-                (lambda: self.ledger.in_group(group), lambda: len(self.storage.get(group[1], {})),
-                 self.quota.max_subkeys_per_key, "subkey_cap"),
-                (self.ledger.by_source, lambda: len(self.ledger), self.quota.max_entries, "storage_cap")):
-            while (excess := size() - cap) > 0:
-                chosen = victims(holdings(), source, excess)
-                if not chosen:
-                    break
-                for victim in chosen:
-                    owner = self.ledger.get(victim)
-                    self.ledger.forget(victim)
-                    key, subkey = str(victim[1]), str(victim[2])
-                    held = self.storage.get(key, {})
-                    if owner is not None and subkey in held and held[subkey].expiration == owner[1]:
-                        del held[subkey]
-                        if not held:
-                            del self.storage[key]
-                        evicted.add(victim)
-                        self.refused[why if owner[0] == source else "evicted_others"] += 1
+
+        def evict(victim: Any, reason: str) -> None:
+            owner = self.ledger.get(victim)
+            self.ledger.forget(victim)
+            key, subkey = str(victim[1]), str(victim[2])
+            held = self.storage.get(key, {})
+            if owner is not None and subkey in held and held[subkey].expiration == owner[1]:
+                del held[subkey]
+                if not held:
+                    del self.storage[key]
+                evicted.add(victim)
+                self.refused[reason if owner[0] == source else "evicted_others"] += 1
+
+        shrink(lambda: self.ledger.in_group(group), lambda: len(self.storage.get(group[1], {})),
+               self.quota.max_subkeys_per_key, source, lambda victim: evict(victim, "subkey_cap"))
+        shrink(self.ledger.by_source, lambda: len(self.ledger), self.quota.max_entries, source,
+               lambda victim: evict(victim, "storage_cap"))
         return evicted
 
     def get(self, key: str, now: float) -> list[_Held]:
@@ -178,8 +178,6 @@ class DHTWorld:
         return self.op_rtts * 2 * self.net.latency_of(peer)
 
     async def store(self, writer: str, envelope: Envelope) -> bool:
-        import asyncio
-
         costs = self.costs[writer]
         raw = envelope.encode()
         wrapped = msgpack.packb(raw, use_bin_type=True)  # hivemind's serializer wraps our bytes
@@ -201,8 +199,6 @@ class DHTWorld:
         return any(stored)
 
     async def get(self, reader: str, key: str) -> list[Envelope]:
-        import asyncio
-
         costs = self.costs[reader]
         await asyncio.sleep(self.delay(reader))
         now = clock.wall()
