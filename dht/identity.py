@@ -34,7 +34,8 @@ RUN_KEY_RE = re.compile(rf"^({_RUN_NAME})\.([a-z2-7]{{{FINGERPRINT_LEN}}})$")
 # (code 0x00, length 36): the peer id *is* the public key, no hash to invert.
 _PEER_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
 _P2P_PRIVATE_PREFIX = bytes([0x08, 0x01, 0x12, 0x40])  # protobuf PrivateKey {Ed25519, 64 bytes}
-PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58, any key type (what the wire accepts)
+MAX_PEER_ID_LEN = 128
+PEER_ID_RE = re.compile(rf"^[1-9A-HJ-NP-Za-km-z]{{20,{MAX_PEER_ID_LEN}}}$")  # base58, any key type (what the wire accepts)
 
 
 def fingerprint(public_key: bytes) -> str:

@@ -17,6 +17,7 @@ before storing, so a record that speaks in another peer's name is not even kept.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections import OrderedDict
@@ -225,8 +226,10 @@ def decode_payload(kind: str, payload: bytes) -> dict[str, Any]:
     return check_payload(kind, strict_unpack(payload, MAX_PAYLOAD_BYTES))
 
 
-_BOUND: OrderedDict[tuple[str, str, bytes, bytes], dict[str, Any]] = OrderedDict()
-MAX_BOUND_CACHED = 8192  # decoded payloads kept: a board is re-read many times a round, its records unchanged
+# decoded payloads, by a hash of what the outcome depends on: a board is re-read many times a round, its
+# records unchanged. Keys are 32 bytes; at most MAX_BOUND_CACHED payloads of MAX_PAYLOAD_BYTES are held
+_BOUND: OrderedDict[tuple[str, bytes], dict[str, Any]] = OrderedDict()
+MAX_BOUND_CACHED = 2048
 
 
 def decode_bound(kind: str, envelope: Envelope) -> dict[str, Any]:
@@ -237,7 +240,7 @@ def decode_bound(kind: str, envelope: Envelope) -> dict[str, Any]:
     is not the libp2p id of the key that signed it: one libp2p identity speaks only for itself."""
     if kind not in BOUND_KINDS or envelope.kind != kind:
         raise InvalidRecord(f"expected a {kind} record, got a {envelope.kind} record")
-    key = (kind, envelope.kind, envelope.payload, envelope.public_key)  # all the outcome depends on
+    key = (kind, hashlib.sha256(len(envelope.public_key).to_bytes(4, "big") + envelope.public_key + envelope.payload).digest())
     fields = _BOUND.get(key)
     if fields is None:
         fields = decode_payload(kind, envelope.payload)

@@ -111,7 +111,7 @@ class View:
         return True
 
 
-@functools.lru_cache(maxsize=65536)  # asked for every candidate at every board read and settle
+@functools.lru_cache(maxsize=16384)  # asked for every candidate at every board read and settle
 def rank(round_: int, base: str, peer: str) -> bytes:
     """A per-round hash rank: shared by all members, chosen by nobody (not even by joining late)."""
     return hashlib.sha256(f"rank/{round_}/{base}/{peer}".encode()).digest()

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from hivetrain.dht.identity import PEER_ID_RE
+from hivetrain.dht.identity import MAX_PEER_ID_LEN, PEER_ID_RE
 from hivetrain.peer.errors import PeerError
 
 MAGIC = b"HTW3"
@@ -92,13 +92,15 @@ def _digests(v: Any) -> bool:  # per member: a part digest (peer/averaging/reduc
     return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in v)
 
 
-@functools.lru_cache(maxsize=65536)  # the same few dozen ids arrive in every view of a round
+@functools.lru_cache(maxsize=16384)  # the same few dozen ids arrive in every view of a round
 def _peer_id(v: str) -> bool:
     return bool(PEER_ID_RE.fullmatch(v))
 
 
 def _peers(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_GROUP and all(type(p) is str for p in v) and all(map(_peer_id, v))
+    # only strings as long as a peer id can be reach the cache: a peer's junk cannot fill it with 16 KB keys
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(type(p) is str and len(p) <= MAX_PEER_ID_LEN
+                                                               for p in v) and all(map(_peer_id, v))
 
 
 _SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
@@ -206,8 +208,6 @@ async def read_body(reader: asyncio.StreamReader, body_len: int, timeout: float 
         _check_timeout(timeout)
     if not body_len:
         return b""
-    if timeout is None:
-        return await reader.readexactly(body_len)
     async with asyncio.timeout(timeout):
         return await reader.readexactly(body_len)
 
