@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from typing import Any
@@ -173,12 +174,12 @@ def run_calibration(args: argparse.Namespace) -> list[dict[str, Any]]:
                 recs = [rec for i, rec in result.records if i == peer.index and rec.get("event") == "round"
                         and not rec.get("void") and rec["round"] >= 1]
                 rate = result.net.rates[peer.id]
-                ar = sorted(rec["allreduce_s"] for rec in recs)
-                bound = sorted(rec["bytes_sent"] / rate for rec in recs)
+                ar = [rec["allreduce_s"] for rec in recs]
+                bound = [rec["bytes_sent"] / rate for rec in recs]
                 ref = real.get(f"{link}:{name}")
                 row_ = {"link": link, "peer": name, "upload_mbit": round(rate / 125_000), "cpu_scale": scale,
-                        "rounds": len(recs), "allreduce_s": round(ar[len(ar) // 2], 3) if ar else None,
-                        "bound_s": round(bound[len(bound) // 2], 3) if bound else None,
+                        "rounds": len(recs), "allreduce_s": round(statistics.median(ar), 3) if ar else None,
+                        "bound_s": round(statistics.median(bound), 3) if bound else None,
                         "real_allreduce_s": ref["allreduce_s"] if ref else None,
                         "wall_s": round(result.wall_s, 1)}
                 if row_["allreduce_s"] and row_["real_allreduce_s"]:

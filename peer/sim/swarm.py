@@ -24,7 +24,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -141,19 +141,16 @@ class SimPeer:
         self.speed = swarm.scenario.step_s * (0.9 + 0.2 * self.rng.random())
         self.starts = 0
         self.runs = True  # False: an attacker identity that runs no peer, only an attack's actor
-        self.rounds: dict[int, dict[str, Any]] = {}  # round -> who reduced and audited it (recent rounds)
 
     def start(self) -> None:
         """Boots the peer (again, after a crash): a new link and DHT node, the same identity and disk."""
-        sc, net = self.swarm.scenario, self.swarm.net
-        link = net.link(self.id, self.addr)
+        link = self.swarm.net.link(self.id, self.addr)
         self.swarm.dht.join(self.id)
         self.dht = SimDHT(self.swarm.dht, self.identity)
         self.alive, self.starts = True, self.starts + 1
         self.task = asyncio.get_running_loop().create_task(spawn(self._main, link))
         self.task.add_done_callback(self._ended)
         self.swarm.note(self, "start", -1, {"restart": self.starts > 1})
-        del sc
 
     def crash(self) -> None:
         """Kills the peer at once: its tasks, its link and its DHT node are gone; its disk stays."""
@@ -249,7 +246,6 @@ class Result:
     net: MemoryNetwork
     dht: DHTWorld
     stalled: bool = False  # the virtual time limit passed before every honest peer finished
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def honest(self) -> list[SimPeer]:
         return [p for p in self.peers if p.honest]
@@ -347,7 +343,7 @@ class Swarm:
         deadline = self.limit()
         while clock.now() < deadline:
             honest = [p for p in self.peers if p.honest]
-            if all(p.done or p.gone or p.failed is not None for p in honest) and not self._pending_restarts(loop):
+            if all(p.done or p.gone or p.failed is not None for p in honest) and not self._pending_restarts():
                 break
             if self.progress is not None:
                 self.progress(self)
@@ -359,7 +355,7 @@ class Swarm:
         await asyncio.sleep(0)
         return clock.now()
 
-    def _pending_restarts(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def _pending_restarts(self) -> bool:
         return any(e.kind == "crash" and e.until and e.at + e.until > clock.now() for e in self.scenario.events)
 
     def _fire(self, event: Event) -> None:
