@@ -5,7 +5,10 @@ so protocol tests and the simulator (peer/sim/) exercise exactly what peers run.
 world the peers live in, set from outside the protocol code, per peer:
 
 - ``rates`` / ``down``: uplink / downlink caps in bytes/s, each shared by all of that peer's streams
-  (first written, first carried); a byte crosses the sender's uplink, then the receiver's downlink;
+  (first written, first carried); a write crosses the sender's uplink and the receiver's downlink at
+  once (cut-through: it arrives when the slower of the two has carried it; each link's capacity is
+  taken for it when it is written, so a write queued behind a slow uplink does not hold a fast
+  downlink for the others);
 - ``latency``: one-way seconds of the peer's access link (a byte from a to b arrives latency[a] +
   latency[b] after it crossed the links); ``delays``: seconds added to every write of a peer
   (a slow writer, for tests);
@@ -29,28 +32,36 @@ from typing import Any
 from hivetrain.peer.net.link import Server
 
 Item = bytes | None  # None: the end of a stream
+SMALL = 1500  # bytes: a write this small passes bulk bytes queued on a link (one packet)
 SEND_BUFFER = 65536  # bytes a writer may have queued on its uplink before ``drain`` waits (a socket's buffer)
 
 
 class _Capped:
     """A capped link: it carries one byte after another at ``rate`` bytes/s, whatever stream they
     belong to, in the order they were written (FIFO: a real fq_codel link interleaves concurrent
-    streams instead; what a set of transfers takes in all is the same)."""
+    streams instead; what a set of transfers takes in all is the same), except that a write of at
+    most SMALL bytes passes the queue (fq_codel serves a sparse flow's packet first: an ack does
+    not wait behind a megabyte)."""
 
     def __init__(self, rate: float):
         self.rate = rate
         self.free = 0.0  # loop time the link is free again
 
     def carry(self, nbytes: int, start: float) -> float:
-        """Reserves the link for ``nbytes`` from ``start`` on; returns when the last byte has crossed."""
+        """Reserves the link for ``nbytes`` from ``start`` on; returns when the last byte has crossed.
+        A small write (a header, an ack: at most SMALL bytes) does not queue behind bulk bytes, as
+        on a fair-queuing link; its time is added to what is queued."""
+        if nbytes <= SMALL and self.free > start:
+            self.free += nbytes / self.rate
+            return start + nbytes / self.rate
         self.free = max(self.free, start) + nbytes / self.rate
         return self.free
 
 
 class _PipeWriter:
     """The writing end of a one-way in-memory pipe into ``reader``, from ``src`` to ``dst``: each
-    write crosses the sender's uplink, then the receiver's downlink, then the latency of both
-    access links, and is fed to the reader at that virtual instant (one timer per write)."""
+    write crosses the sender's uplink and the receiver's downlink (cut-through), then the latency
+    of both access links, and is fed to the reader at that virtual instant (one timer per write)."""
 
     def __init__(self, reader: asyncio.StreamReader, net: MemoryNetwork, src: str, dst: str):
         self.reader, self._net, self._src, self._dst = reader, net, src, dst
@@ -75,10 +86,11 @@ class _PipeWriter:
         loop = asyncio.get_running_loop()
         at = loop.time()
         size = len(item) if item is not None else 0
+        now = at
         if self.uplink is not None:
             at = self.sent_at = self.uplink.carry(size, at)
-        if self.downlink is not None:
-            at = self.downlink.carry(size, at)
+        if self.downlink is not None:  # cut-through: the write arrives when the slower link has carried it
+            at = max(at, self.downlink.carry(size, now))
         due = at + self.latency
         if self._due and self._due[-1][0] > due:
             due = self._due[-1][0]  # never before what was written earlier on this stream
