@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python -m bench.swarm --peers N [--target T] [--jitter S] [--slow F]   # one configuration
     python -m bench.swarm --search --budget SECONDS [--seed S] [--json]    # the attack search
     python -m bench.swarm --replay SEED                                    # one schedule of the search, told
+    python -m bench.swarm --slow-member [--numel N] [--rounds R]           # one member at 1/5 of the uplink
 
 Every row is one simulated run (peer/sim/swarm.py): N real peers (averager, matchmaking, ready board,
 heartbeats, dial-back, state serving and sync, fork choice, the round loop) on one virtual clock,
@@ -21,6 +22,12 @@ discarded_fraction (completed, then thrown away), bytes per peer-round (data: pa
 pieces; control: everything else, the DHT included), DHT reads per peer-round, the hottest DHT node's
 bytes served per round, matchmaking seconds, all-reduce seconds over the bound of the bytes sent at
 the uplink rate, utilization, wall and virtual seconds and the run's trace_hash (same seed, same hash).
+
+``--slow-member`` runs one group of 8 (100 Mbit/s, one member at 20 Mbit/s up and down, 8M values
+unless ``--numel``) twice in the same seed: with equal shares (the roles before uplink claims) and
+with shares by claimed uplink (peer/averaging/rates.py: the slow member only sends); it prints the
+all-reduce time over the bandwidth-weighted bound (peer/sim/measure.py ``bandwidth_bound``) of
+each, per round after the first (the first has no measured rates yet), and their ratio.
 
 ``--search`` runs random attack schedules (peer/sim/search.py) until the budget is spent and
 prints each broken invariant with the seed that reproduces it; ``--replay SEED`` reruns one and
@@ -39,7 +46,7 @@ import time
 from typing import Any
 
 from hivetrain.dht import clock
-from hivetrain.peer.sim.measure import row
+from hivetrain.peer.sim.measure import bandwidth_bound, row
 from hivetrain.peer.sim.swarm import Scenario, Swarm, simulate
 
 PEERS = (8, 16, 32, 72, 128, 256, 1000)
@@ -49,7 +56,8 @@ SLOW = (0.0, 0.2)
 COLUMNS = ("peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
            "single_state_fraction", "discarded_fraction", "void_fraction", "data_bytes_per_peer_round",
            "control_bytes_per_peer_round", "dht_reads_per_peer_round", "hot_holder_bytes_per_round",
-           "matchmaking_s", "allreduce_over_bound", "utilization", "wall_s", "virtual_s")
+           "matchmaking_s", "allreduce_over_bound", "allreduce_over_bw_bound", "utilization", "wall_s",
+           "virtual_s")
 
 
 def configurations(quick: bool, full: bool, rounds: int) -> list[tuple[int, int, float, float, int]]:
@@ -107,6 +115,35 @@ def run_table(args: argparse.Namespace) -> list[dict[str, Any]]:
         r = row(result)
         rows.append(r)
         print(f"| {format_row(r)} |" + (" (stalled)" if r["stalled"] else ""), flush=True)
+    return rows
+
+
+def run_slow_member(args: argparse.Namespace) -> list[dict[str, Any]]:
+    numel = args.numel if args.numel != 4096 else 8_000_000
+    rounds = args.rounds or 4
+    print("| shares | rounds | allreduce_s (median) | bound_s | over_bound | slow member's shards | wall_s |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for equal in (True, False):
+        sc = Scenario(peers=8, target=8, slow_fraction=1 / 8, mbit=100.0, slow_mbit=20.0, numel=numel,
+                      rounds=rounds, seed=args.seed, equal_shares=equal)
+        result = simulate(sc, progress=Progress())
+        slow = min(result.peers, key=lambda p: result.net.rates.get(p.id, 0.0)).index
+        later = [(i, rec) for i, rec in result.records if rec.get("event") == "round" and rec["round"] >= 1
+                 and not rec.get("void")]
+        times = [rec["allreduce_s"] for _, rec in later if rec.get("allreduce_s")]
+        ups = [result.net.rates[p.id] for p in result.peers]
+        bound = bandwidth_bound(ups, [result.net.down[p.id] for p in result.peers],
+                                sc.run_spec().codec().encoded_nbytes(numel), sc.run_spec().audit)
+        shards = [rec.get("shards_reduced") for i, rec in later if i == slow]
+        median = statistics.median(times) if times else float("nan")
+        r = {"shares": "equal" if equal else "by uplink", "rounds": rounds, "allreduce_s": round(median, 3),
+             "bound_s": round(bound, 3), "over_bound": round(median / bound, 3) if bound else None,
+             "slow_shards": shards, "wall_s": round(result.wall_s, 1), "trace_hash": result.trace_hash}
+        rows.append(r)
+        print(f"| {r['shares']} | {rounds} | {r['allreduce_s']} | {r['bound_s']} | {r['over_bound']} | {shards} "
+              f"| {r['wall_s']} |", flush=True)
+    print(f"by uplink / equal: {rows[1]['allreduce_s'] / rows[0]['allreduce_s']:.3f} of the all-reduce time")
     return rows
 
 
@@ -208,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu-scale", type=float, default=0.0,
                     help="--calibrate: a second run whose CPU work costs its wall time x this (0: none)")
     ap.add_argument("--real-json", default=None, help="--calibrate: bench.utilization --json output to compare with")
+    ap.add_argument("--slow-member", action="store_true",
+                    help="one group, one member at 1/5 of the uplink: equal shares against shares by uplink")
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule of the search")
     args = ap.parse_args(argv)
     if args.peers < 0 or args.rounds < 0 or args.numel < 1024 or args.budget <= 0 or args.target < 2 or not 0 <= args.slow <= 1 \
@@ -229,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             out: dict[str, Any] = run_replay(args.replay)
         elif args.calibrate:
             out = {"results": run_calibration(args)}
+        elif args.slow_member:
+            out = {"results": run_slow_member(args)}
         elif args.search:
             out = run_search(args)
         else:

@@ -200,9 +200,10 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "done": lambda v: isinstance(v, bool),  # false: announced ahead, still computing
         "eta": _is_float(0.0, 1e11),  # unix time the peer expects to be ready (its claim; bounded by the reader)
         "closed": lambda v: isinstance(v, bool),  # true: nobody can dial it (an outbound-only member); may be absent
+        "up": _is_int(0, 10**8),  # its uplink claim for the round, kB/s (0: unknown); may be absent
     },
 }
-OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed"})}  # fields a record may leave out
+OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed", "up"})}  # fields a record may leave out
 BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id
 
 

@@ -89,6 +89,7 @@ class AllReduceRunner:
         try:
             outcome = await self._run(delta)
         except RoundFailed as e:
+            ctx.rates.observe(self.outbox.meter)
             if ctx.ef is not None:
                 ctx.ef.discard()
             self._punish()
@@ -103,6 +104,7 @@ class AllReduceRunner:
         if ctx.ef is not None:
             ctx.ef.commit()
         self._punish()
+        ctx.rates.observe(self.outbox.meter)
         return outcome
 
     def _punish(self) -> None:

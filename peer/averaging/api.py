@@ -4,7 +4,7 @@ arithmetic every member derives from shared data (shards, order, group hash)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,10 +104,14 @@ def group_order(members: Sequence[str], round_: int, base_hash: str) -> tuple[st
     return tuple(sorted(set(members), key=key))
 
 
-def group_hash(members: Sequence[str], round_: int, base_hash: str, closed: Collection[str] = ()) -> str:
-    """The group's name; it commits to which members are closed (outbound-only), since that decides
-    the roles: members that derived different roles must not take each other's messages."""
+def group_hash(members: Sequence[str], round_: int, base_hash: str, closed: Collection[str] = (),
+               claims: Mapping[str, int] | None = None) -> str:
+    """The group's name; it commits to which members are closed (outbound-only) and to the uplink
+    each member claimed (peer/averaging/rates.py), since those decide the roles: members that
+    derived different roles must not take each other's messages."""
     lines = [str(round_), base_hash, *members]
     if closed:
         lines += ["closed", *sorted(closed)]
+    if claims and any(claims.get(p, 0) for p in members):
+        lines += ["up", *(f"{p}={claims.get(p, 0)}" for p in members)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

@@ -115,7 +115,8 @@ class P2PAverager:
         flight: ``budget``); our ready record for the round expires later, so that it replaces
         this one (the DHT keeps the later expiration under one subkey)."""
         eta = clock.wall() + eta_s if eta_s else 0.0
-        ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta, closed=self.ctx.closed)
+        ready = Ready(self.ctx.me, round_, base_hash or ZERO, self.ctx.run, done=False, eta=eta, closed=self.ctx.closed,
+                      up=self.ctx.rates.claim())
         ttl = (eta_s or 0.0) + self.budget
         self.announced[round_] = clock.wall() + ttl
         for old in sorted(self.announced)[:-4]:  # bounded: recent rounds only
@@ -147,7 +148,7 @@ class P2PAverager:
             ctx.behaviour.at("after_matchmaking", round_)
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
                                    ctx.spec.audit, clock.now() + ctx.spec.allreduce_timeout,
-                                   ctx.spec.piece_values, mm.closed_members(order))
+                                   ctx.spec.piece_values, mm.closed_members(order), mm.claims(order))
             self.sessions[round_] = session
             self._mark_replays(session)
             outcome = await AllReduceRunner(ctx, session).run(delta)
@@ -167,7 +168,8 @@ class P2PAverager:
         sent = ctx.traffic.sent + self.server.traffic.sent - sent0
         received = ctx.traffic.received + self.server.traffic.received - received0
         stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": clock.now() - t1,
-                 "others_seen": float(len(mm.seen - set(order)))}
+                 "others_seen": float(len(mm.seen - set(order))), "up_claim_kBps": float(mm.view.me_up),
+                 "shards_reduced": float(len(session.mine)), "shards": float(session.units)}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
@@ -264,7 +266,8 @@ class P2PAverager:
         round_, base = header["round"], header["base"]
         mm = self.matchmaking.get(round_)
         members, excluded = header["members"], header["excluded"]
-        request = Report(frozenset(members), frozenset(excluded), decided=header["decided"], closed=header["closed"])
+        request = Report(frozenset(members), frozenset(excluded), decided=header["decided"], closed=header["closed"],
+                         up=header["up"])
         if mm is None or mm.view.base != base:
             reply = Report(frozenset(), frozenset(), decided=round_ < self.current_round, ready=False,
                            closed=self.ctx.closed)
@@ -273,7 +276,7 @@ class P2PAverager:
         assert len(reply.members) <= MAX_GROUP and len(reply.excluded) <= MAX_GROUP
         return self.ctx.header("view_reply", round_, base, members=sorted(reply.members),
                                excluded=sorted(reply.excluded), decided=reply.decided, ready=reply.ready,
-                               closed=reply.closed), b""
+                               closed=reply.closed, up=reply.up), b""
 
     def _late(self, sender: str, header: dict[str, Any]) -> Reply:
         """A message of an earlier round. The same part again is a retry; another from a member of our

@@ -10,11 +10,12 @@ from hivetrain.dht.identity import Identity
 from hivetrain.kernels.error_feedback import ErrorFeedback
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.averaging.rates import Rates
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.link import Link, Traffic
 from hivetrain.peer.trust import Bans, Trust
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: uplink claims (ready records, views) and shares by them
 
 
 @dataclass
@@ -32,6 +33,7 @@ class PeerContext:
     run: str = ""  # the spec hash, hex: every message carries it
     protocol: str = ""  # the stream protocol name
     closed: bool = False  # nobody can dial us (peer/reach.py found out): we join groups as an outbound-only member
+    rates: Rates = field(default_factory=Rates)  # our measured uplink, claimed in ready records and views
 
     def __post_init__(self) -> None:
         self.run = self.spec.spec_hash().hex()

@@ -8,6 +8,7 @@ from typing import Any
 
 from hivetrain.dht import clock
 from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.rates import Meter
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.wire import Code, reason
@@ -91,6 +92,7 @@ class Outbox:
         self.strict_left = 0  # strict messages not delivered yet
         self.strict_done = asyncio.Event()
         self.strict_done.set()
+        self.meter = Meter()  # when our parts went out: our uplink (peer/averaging/rates.py)
 
     def put(self, peer: str, header: dict[str, Any], body: bytes, strict: bool) -> None:
         queue = self.queues.get(peer)
@@ -98,6 +100,7 @@ class Outbox:
             queue = self.queues[peer] = asyncio.Queue()
             self.workers += [asyncio.ensure_future(self._work(peer, queue)) for _ in range(STREAMS_PER_PEER)]
         if strict:
+            self.meter.begin()
             self.strict_left += 1
             self.strict_done.clear()
         queue.put_nowait((header, body, strict))
@@ -109,6 +112,8 @@ class Outbox:
                 if peer in self.lost:  # it refused us or cannot be reached: the rest cannot change that
                     raise RoundFailed(self.lost[peer])
                 await deliver(self.ctx, self.deadline, peer, header, body)
+                if strict:
+                    self.meter.delivered(len(body))
             except RoundFailed as e:
                 if isinstance(e, Lost):
                     self.lost.setdefault(e.peer, str(e))

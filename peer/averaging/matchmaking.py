@@ -52,7 +52,8 @@ class Matchmaking:
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str):
         self.ctx, self.board = ctx, board
-        self.view = View(round_, base, ctx.me, me_closed=ctx.closed)  # our reachability is fixed for the round
+        # our reachability and uplink claim are fixed for the round
+        self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim())
         self.changed = asyncio.Event()
         self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
         self.pending: dict[str, float] = {}  # announced, still computing -> the unix time it expects to be ready
@@ -103,13 +104,17 @@ class Matchmaking:
         """The members of our decided group that nobody can dial (their own claims; us included)."""
         return frozenset(p for p in group if p in self.view.closed or (p == self.ctx.me and self.view.me_closed))
 
+    def claims(self, group: tuple[str, ...]) -> dict[str, int]:
+        """The uplink each member of our decided group claimed, first-hand (ours included)."""
+        return {p: self.view.me_up if p == self.ctx.me else self.view.claims.get(p, 0) for p in group}
+
     async def _tell_decision(self, group: tuple[str, ...]) -> None:
         """We are closed: nobody asks us, so we tell the open members what we decided (once each, in
         parallel); a member that adopted it or decided it already answers so; any other outcome
         shows in the all-reduce (a member that decided otherwise refuses our part)."""
         caps = self.caps()
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(group), excluded=[],
-                                 closed=True, decided=True)
+                                 closed=True, decided=True, up=self.view.me_up)
 
         async def tell(peer: str) -> None:
             try:
@@ -122,7 +127,7 @@ class Matchmaking:
 
     async def _announce(self) -> None:
         ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=clock.wall(),
-                      closed=self.view.me_closed)
+                      closed=self.view.me_closed, up=self.view.me_up)
         ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - clock.wall() + 1.0)
         end = clock.now() + self.ctx.spec.matchmaking_timeout
         while clock.now() < end:
@@ -150,7 +155,7 @@ class Matchmaking:
         pending: dict[str, float] = {}
         for r in records:
             if r.done and r.base == self.view.base:
-                self.view.mark(r.peer_id, r.closed)
+                self.view.mark(r.peer_id, r.closed, r.up)
                 if self.view.add(r.peer_id):
                     self.changed.set()
             elif r.done:
@@ -228,7 +233,8 @@ class Matchmaking:
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
-                                 excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False)
+                                 excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False,
+                                 up=self.view.me_up)
         reply = None
         for attempt in range(VIEW_ATTEMPTS):
             started = clock.now()
@@ -246,7 +252,7 @@ class Matchmaking:
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
             return _Ask(peer, None)
         return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
-                                 reply["ready"], reply["closed"]))
+                                 reply["ready"], reply["closed"], reply["up"]))
 
     # ---- caps -----------------------------------------------------------------------------------
 

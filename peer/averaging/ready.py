@@ -30,6 +30,7 @@ class Ready:
     done: bool = True  # false: announced ahead, still computing
     eta: float = 0.0  # unix time it expects to be ready (a claim: readers bound what they wait)
     closed: bool = False  # nobody can dial it: an outbound-only member (peer/averaging/views.py)
+    up: int = 0  # its uplink claim for the round, kB/s (peer/averaging/rates.py; 0: unknown)
 
 
 class ReadyBoard(Protocol):
@@ -47,7 +48,7 @@ def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope
     DHT (which keeps the later expiration under one subkey) never lets it replace that one."""
     payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
                                            spec_hash=ready.spec, done=ready.done, eta=float(ready.eta),
-                                           closed=ready.closed))
+                                           closed=ready.closed, up=ready.up))
     return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, clock.wall() + ttl)
 
 
@@ -58,7 +59,7 @@ def verified(envelope: Envelope) -> Ready | None:
     except InvalidRecord:
         return None
     return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"], fields["done"],
-                 fields["eta"], fields.get("closed", False))
+                 fields["eta"], fields.get("closed", False), fields.get("up", 0))
 
 
 class DHTReadyBoard:

@@ -1,10 +1,11 @@
 """One round's all-reduce state for one group we derived: ``RoundSession``, with one ``ShardState`` per shard.
 
 The vector is cut into n x P contiguous shards ("pieces", P per member, sized by the run's
-``piece_values``): member k of the group order reduces shard j when j mod n = k, and audits it
-when j mod n = k + 1. Here n counts the members that can be dialed; closed (outbound-only)
-members send their parts and receive results and verdicts, and reduce and audit nothing. Every
-slot below is per shard.
+``piece_values``), n counting the reducers: the members that can be dialed and are not too slow
+(peer/averaging/rates.py). Closed (outbound-only) and slow members send their parts and receive
+results and verdicts, and reduce and audit nothing. Shards are dealt to the reducers in proportion
+to the uplink each claimed (with equal claims: reducer k mod n reduces shard k), and the auditor of
+a shard is the reducer of the next shard that another reducer reduces. Every slot below is per shard.
 
 A session exists only for a group this peer decided itself (peer/averaging/matchmaking.py), so
 every message it accepts comes from a member, and each slot takes one message from the one member
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivetrain.dht import clock
 from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
@@ -90,25 +92,47 @@ class Intake:
         self.session.reading.discard(self.slot)
 
 
+def _auditors(slots: list[str], reducers: tuple[str, ...]) -> list[str]:
+    """The auditor of each shard: the reducer of the next shard (cyclically) that another reducer
+    reduces; with equal claims, reducer k + 1. If one reducer took every shard, the next reducer."""
+    u = len(slots)
+    if len(set(slots)) == 1:
+        other = reducers[(reducers.index(slots[0]) + 1) % len(reducers)]
+        return [other] * u
+    out = [""] * u
+    nxt = ""
+    for k in range(2 * u - 1, -1, -1):  # backwards, twice round: the nearest different reducer ahead
+        j = k % u
+        after = slots[(j + 1) % u]
+        nxt = after if after != slots[j] else nxt
+        out[j] = nxt
+    return out
+
+
 class RoundSession:
     def __init__(self, run: str, round_: int, base: str, order: tuple[str, ...], me: str, numel: int,
                  codec: Codec, audits: bool, deadline: float, piece_values: int | None = None,
-                 closed: frozenset[str] = frozenset()):
+                 closed: frozenset[str] = frozenset(), claims: Mapping[str, int] | None = None):
         self.run, self.round, self.base, self.order, self.me = run, round_, base, order, me
         self.codec, self.numel, self.deadline = codec, numel, deadline
         self.closed = closed & set(order)  # outbound-only members: nobody dials them, they reduce and audit nothing
-        self.group = group_hash(order, round_, base, self.closed)
+        self.claims = {p: (claims or {}).get(p, 0) for p in order}  # uplink claims, kB/s (0: unknown)
+        self.group = group_hash(order, round_, base, self.closed, self.claims)
         self.n = len(order)
         self.result_codec = codec.for_results(self.n)  # the reducers' encoding (sparse: room for n parts)
-        self.reducers = tuple(p for p in order if p not in self.closed) or (order if self.n == 1 else ())
+        dialable = [p for p in order if p not in self.closed]
+        self.slow = rates.slow(dialable, self.claims)  # too slow to reduce: they only send (rates.py)
+        self.reducers = tuple(p for p in dialable if p not in self.slow) or (order if self.n == 1 else ())
         if not self.reducers:
             raise RoundFailed("no member of the group can be dialed: nobody can reduce")
         nr = len(self.reducers)
         self.pieces = pieces_per_member(numel, nr, piece_values) if piece_values else 1
         self.units = nr * self.pieces  # shards of the round
+        self.slots = rates.deal(self.reducers, rates.weights(self.reducers, self.claims), self.units)
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
         self.audit = audits and nr >= 2
+        self.checkers = _auditors(self.slots, self.reducers)
         self.mine = [k for k in range(self.units) if self.reducer(k) == me]  # shards we reduce
         self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
         self.shards = [ShardState() for _ in range(self.units)]
@@ -120,10 +144,10 @@ class RoundSession:
     # ---- roles and sizes ------------------------------------------------------------------------
 
     def reducer(self, k: int) -> str:
-        return self.reducers[k % len(self.reducers)]
+        return self.slots[k]
 
     def auditor(self, k: int) -> str | None:
-        return self.reducers[(k + 1) % len(self.reducers)] if self.audit else None
+        return self.checkers[k] if self.audit else None
 
     def reaches_us(self, peer: str) -> bool:
         """Whether ``peer``'s messages can reach us: a closed member cannot dial another closed one."""

@@ -58,6 +58,7 @@ class Report:
     decided: bool = False
     ready: bool = True  # False: it is not forming this round's group from this base
     closed: bool = False  # nobody can dial the reporter
+    up: int = 0  # the reporter's uplink claim for the round, kB/s (0: unknown)
 
     def effective(self) -> frozenset[str]:
         return self.members - self.excluded
@@ -80,6 +81,8 @@ class View:
     abandoned: bool = False  # the round failed for us: we answer "decided without you" from now on
     closed: set[str] = field(default_factory=set)  # peers that say nobody can dial them (bounded like candidates)
     me_closed: bool = False  # nobody can dial us (fixed for the round)
+    claims: dict[str, int] = field(default_factory=dict)  # uplink claims, first-hand (bounded like candidates)
+    me_up: int = 0  # our uplink claim (fixed for the round)
 
     def effective(self) -> frozenset[str]:
         return frozenset((self.candidates | {self.me}) - set(self.excluded) - set(self.capped))
@@ -91,8 +94,11 @@ class View:
         self.candidates.add(peer)
         return True
 
-    def mark(self, peer: str, closed: bool) -> None:
-        """A peer's own, first-hand claim of whether it can be dialed (its latest one counts)."""
+    def mark(self, peer: str, closed: bool, up: int = 0) -> None:
+        """A peer's own, first-hand claims of whether it can be dialed and of its uplink (its
+        latest ones count)."""
+        if peer != self.me and (peer in self.claims or len(self.claims) < 4 * MAX_GROUP):
+            self.claims[peer] = up
         if not closed:
             self.closed.discard(peer)
         elif peer != self.me and len(self.closed) < 4 * MAX_GROUP:
@@ -206,7 +212,8 @@ def outgoing(view: View, caps: Caps) -> Report:
     (candidates and reporters), each list at most ``MAX_GROUP`` long, highest priority first."""
     effective = settle(view, caps)
     interest = (view.candidates | set(view.reports)) & (set(view.excluded) | set(view.capped))
-    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]), closed=view.me_closed)
+    return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]), closed=view.me_closed,
+                  up=view.me_up)
 
 
 def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None], caps: Caps, now: float) -> Step:
@@ -229,7 +236,7 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             view.exclude(peer, "did not answer our view request")
             continue
         view.reports[peer] = reply
-        view.mark(peer, reply.closed)
+        view.mark(peer, reply.closed, reply.up)
         if not reply.ready:
             view.exclude(peer, "not forming this round's group from our base")
         elif reply.decided and view.me not in reply.members:
@@ -293,18 +300,18 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
     if view is None or caps is None:
         return Report(frozenset(), frozenset(), decided=False, ready=False)
     if view.abandoned:
-        return Report(frozenset(), frozenset(), decided=True, closed=view.me_closed)
+        return Report(frozenset(), frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
     if view.decided is not None:
-        return Report(frozenset(view.decided), frozenset(), decided=True, closed=view.me_closed)
+        return Report(frozenset(view.decided), frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
     if caps.banned(sender):
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too
-        view.mark(sender, request.closed)
+        view.mark(sender, request.closed, request.up)
         view.reports[sender] = request
         if request.decided:  # a closed member's decision: nobody asks it, so it tells us
             group = request.members
             if view.me in group and group <= view.effective() and caps.accepts(group):
                 view.decided = tuple(sorted(group))
-                return Report(group, frozenset(), decided=True, closed=view.me_closed)
+                return Report(group, frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
             view.exclude(sender, "decided a group we cannot accept")
     return outgoing(view, caps)

@@ -105,15 +105,17 @@ def _peers(v: Any) -> bool:
 
 _SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
 _MEMBER = _int(0, MAX_GROUP - 1)
+_UP = _int(0, 10**8)
 _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(), "base": _hex64}
 _SESSION = {**_COMMON, "group": _hex64}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with);
     # closed: nobody can dial the sender (an outbound-only member); decided: members is the group it decided
-    "view": {**_COMMON, "members": _peers, "excluded": _peers, "closed": _bool, "decided": _bool},
+    # up: the sender's uplink claim for the round, kB/s (0: unknown; peer/averaging/rates.py)
+    "view": {**_COMMON, "members": _peers, "excluded": _peers, "closed": _bool, "decided": _bool, "up": _UP},
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
     "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool,
-                   "closed": _bool},
+                   "closed": _bool, "up": _UP},
     # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor)
     "part": {**_SESSION, "shard": _SHARD, "digest": lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v))
              and len(v) == 32},

@@ -74,6 +74,67 @@ def _traffic(result: Result) -> tuple[Counter[str], int, int, int, int]:
     return by_kind, reads, dht_bytes, len(result.honest()), requests
 
 
+def bandwidth_bound(ups: list[float], downs: list[float], nbytes: int, audit: bool) -> float:
+    """The least seconds a group's all-reduce can take over its members' links (bytes/s up and
+    down), each member reducing a share s_i of the vector (sum 1, any split): it uploads its parts
+    of the others' shards (to reducer and auditor) and its shards' results to the n - 1 others,
+    and downloads the parts of the shards it reduces and audits and the others' results. Found by
+    bisection on the time; the split is continuous, so no real assignment does better."""
+    n, a = len(ups), (2 if audit and len(ups) > 2 else 1)
+    if n < 2:
+        return 0.0
+    b = float(nbytes)
+    up = (a * b, b * (n - 1) - a * b)  # bytes = c0 + c1 * s
+    down = (b, a * b * (n - 1) - b)
+
+    def share_range(cap_up: float, cap_down: float) -> tuple[float, float] | None:
+        lo, hi = 0.0, 1.0
+        for (c0, c1), cap in ((up, cap_up), (down, cap_down)):
+            if c1 > 0:
+                hi = min(hi, (cap - c0) / c1)
+            elif c1 < 0:
+                lo = max(lo, (cap - c0) / c1)
+            elif c0 > cap:
+                return None
+        return (lo, hi) if lo <= hi else None
+
+    def feasible(t: float) -> bool:
+        ranges = [share_range(t * u, t * d) for u, d in zip(ups, downs, strict=True)]
+        if any(r is None for r in ranges):
+            return False
+        return sum(r[0] for r in ranges if r) <= 1.0 <= sum(r[1] for r in ranges if r)
+
+    lo, hi = 0.0, 4 * b * n / min(min(ups), min(downs))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
+
+
+def over_bandwidth_bound(result: Result) -> float | None:
+    """The median, over completed group-rounds, of the group's all-reduce time (its median
+    member's) over ``bandwidth_bound`` for its members' links."""
+    sc, net = result.scenario, result.net
+    spec = sc.run_spec()
+    nbytes = spec.codec().encoded_nbytes(sc.numel)
+    ids = {p.id for p in result.honest()}
+    groups: dict[tuple[int, tuple[str, ...]], list[float]] = {}
+    for _, rec in result.records:
+        if rec.get("event") == "round" and not rec.get("void") and rec.get("allreduce_s") and rec.get("group"):
+            members = tuple(rec["group"])
+            if len(members) > 1 and set(members) <= ids:
+                groups.setdefault((rec["round"], members), []).append(rec["allreduce_s"])
+    ratios = []
+    for (_, members), times in groups.items():
+        ups = [net.rates.get(p, 0.0) for p in members]
+        downs = [net.down.get(p, 0.0) for p in members]
+        if min(ups) > 0 and min(downs) > 0:
+            bound = bandwidth_bound(ups, downs, nbytes, spec.audit)
+            if bound > 0:
+                ratios.append(statistics.median(times) / bound)
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def row(result: Result) -> dict[str, Any]:
     """The bench.swarm row of one run (keys as the issue names them, then a few more)."""
     sc = result.scenario
@@ -116,6 +177,7 @@ def row(result: Result) -> dict[str, Any]:
         "hot_holder_bytes_per_round": round(max(result.dht.served.values(), default=0) / max(1, sc.rounds)),
         "matchmaking_s": round(statistics.mean(mm), 3) if mm else None,
         "allreduce_over_bound": round(statistics.median(over), 3) if over else None,
+        "allreduce_over_bw_bound": over_bandwidth_bound(result),
         "utilization": round(statistics.mean(util), 4) if util else None,
         "wall_s": round(result.wall_s, 2), "virtual_s": round(result.virtual_s, 2),
         "trace_hash": result.trace_hash,

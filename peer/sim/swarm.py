@@ -88,6 +88,7 @@ class Scenario:
     attacker_prefixes: int = 0  # the /24s the dishonest peers' addresses are in (0: one each)
     spec: tuple[tuple[str, Any], ...] = ()  # run spec fields that differ from ``spec_of``'s
     limit_s: float = 0.0  # virtual seconds the run may take (0: from the rounds and the deadlines)
+    equal_shares: bool = False  # roles ignore uplink claims (the protocol before peer/averaging/rates.py)
     cpu_scale: float = 0.0  # > 0: encoding, reducing and auditing cost their wall time x this (not deterministic)
 
     def run_spec(self) -> RunSpec:
@@ -202,6 +203,7 @@ class SimPeer:
         self.peer = Peer(seams, self.swarm.run_key, self.swarm.spec,
                          SimMetrics(lambda record: self._record(record) if self._live(me) else None),
                          lambda line: self._say(line) if self._live(me) else None)
+        self.peer.averager.ctx.rates.enabled = not sc.equal_shares
         self.incarnations.append(self.peer)
         return self.peer.run(self.disk, 0, until_round=sc.rounds)
 

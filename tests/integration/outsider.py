@@ -160,7 +160,7 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                                digest=os.urandom(16).hex())),
                     "view naming 64 made-up members": (lambda h: PREFIX.pack(MAGIC, len(h), 0) + h)(
                         header("view", spec_hash, current, base, members=[Key().peer_id for _ in range(64)],
-                               excluded=[], closed=False, decided=False)),
+                               excluded=[], closed=False, decided=False, up=0)),
                 }
                 for name, data in tries.items():
                     log["frames"].setdefault(name, []).append(await frame(p2p, peer, protocol, data))

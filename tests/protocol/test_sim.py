@@ -99,3 +99,21 @@ def test_peers_behind_nat_that_join_later_train_with_the_open_peer() -> None:
     last = [rounds_of(result, i)[5] for i in range(3)]
     assert all(not r["void"] and r["group_size"] == 3 for r in last), last
     assert len({r["state_hash"] for r in last}) == 1
+
+
+def test_a_member_at_a_fifth_of_the_uplink_only_sends_once_its_rate_is_measured() -> None:
+    sc = Scenario(peers=6, target=6, rounds=3, slow_fraction=1 / 6, mbit=10.0, slow_mbit=2.0, numel=1 << 19, seed=2)
+    result = simulate(sc)
+    slow = min(result.peers, key=lambda p: result.net.rates[p.id])
+    fast = [p for p in result.peers if p is not slow]
+    assert not result.stalled
+    first, later = rounds_of(result, slow.index)[0], [rounds_of(result, slow.index)[r] for r in (1, 2)]
+    assert first["shards_reduced"] >= 1 and first["up_claim_kBps"] == 0  # round 0: nothing measured, equal shares
+    for r, rec in zip((1, 2), later, strict=True):
+        assert not rec["void"] and rec["shards_reduced"] == 0, rec  # measured: it only sends
+        claims = [rounds_of(result, p.index)[r]["up_claim_kBps"] for p in fast]
+        assert rec["up_claim_kBps"] < 0.5 * min(claims), (rec["up_claim_kBps"], claims)
+        assert sum(rounds_of(result, p.index)[r]["shards_reduced"] for p in fast) == rec["shards"]
+        assert slow.id not in rec["reducers"] and slow.id not in rec["auditors"]
+    states = {rounds_of(result, p.index)[2]["state_hash"] for p in result.peers}
+    assert len(states) == 1  # one group, one state, whatever the shares

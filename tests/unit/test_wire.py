@@ -30,8 +30,9 @@ MAX_BODY = 1 << 16
 def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"type": kind, "run": HEX, "round": 3, "base": HEX}
     extra: dict[str, dict[str, Any]] = {
-        "view": {"members": [PEER, PEER2], "excluded": [], "closed": False, "decided": False},
-        "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False, "ready": True, "closed": True},
+        "view": {"members": [PEER, PEER2], "excluded": [], "closed": False, "decided": False, "up": 1200},
+        "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False, "ready": True, "closed": True,
+                       "up": 0},
         "part": {"group": HEX, "shard": 1, "digest": HEX[:32]},
         "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
                    "probation": [PEER2], "sig": HEX * 2},
