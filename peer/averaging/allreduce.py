@@ -37,7 +37,8 @@ from hivetrain.dht import clock
 from hivetrain.kernels.errors import CodecError
 from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.delivery import Outbox, send_all
+from hivetrain.peer.averaging.cross import VOID, Desk, cross_codec, fallen_back, round_id
+from hivetrain.peer.averaging.delivery import RETRY_PAUSE, Outbox, deliver, send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
     Finding,
@@ -59,7 +60,7 @@ from hivetrain.peer.averaging.statements import (
     sign_verdict,
 )
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.net.wire import reason
+from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
@@ -78,8 +79,10 @@ class Outcome:
 class AllReduceRunner:
     """Runs the all-reduce of one ``RoundSession`` (on the link's loop)."""
 
-    def __init__(self, ctx: PeerContext, session: RoundSession):
+    def __init__(self, ctx: PeerContext, session: RoundSession, desk: Desk | None = None):
         self.ctx, self.session = ctx, session
+        self.desk = desk  # our designee's desk of this round: the plan, and the means we compute (cross.py)
+        self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
         self.outbox = Outbox(ctx, session.round, session.deadline)  # our messages of the round, per member in order
@@ -147,11 +150,12 @@ class AllReduceRunner:
         except BaseException:
             self.outbox.stop()
             raise
-        averaged, applied, voids, conflict = self._gather()
+        averaged, applied, voids, conflict = self._gather_cross() if s.cross_on else self._gather()
         if s.audit:
             for peer, why in (await settle_accusations(ctx, s)).items():
                 self._convict(peer, why, first=False)  # the settled verdict replaces the accusation
-        digest_hex = applied_digest(s.group, applied)
+        # with the cross-group stage every group of the round applies the same means: the same digest
+        digest_hex = applied_digest(round_id(ctx.run, s.round, s.base) if s.cross_on else s.group, applied)
         await self._agree(digest_hex)
         if conflict:
             raise RoundFailed(conflict)
@@ -161,12 +165,122 @@ class AllReduceRunner:
         """Reduces our shards and audits our audited ones, each as soon as its parts are in, while
         the rest still streams; then waits for every result and verdict and for our sends."""
         s = self.session
-        await first_failure(self._parts_delivered(), self._reduce_all(), self._audit_all())
+        work = [self._parts_delivered(), self._reduce_all(), self._audit_all()]
+        await first_failure(*work, *([self._cross()] if s.cross_on else []))
         await s.wait_for(lambda: all(sh.result is not None for sh in s.shards), s.deadline, "results of every shard")
         if s.audit:
             await s.wait_for(lambda: all(sh.verdict is not None for sh in s.shards), s.deadline,
                              "audit verdicts of every shard")
+        if s.cross_on:
+            await s.wait_for(lambda: s.plan is not None and len(s.cross) == s.units * s.plan.subs, s.deadline,
+                             "cross-group means of every shard")
         await self.outbox.flush()
+
+    # ---- the cross-group stage (peer/averaging/cross.py) -------------------------------------------
+
+    async def _cross(self) -> None:
+        """Derives the round's designees; sends our group's sub-pieces of each shard we reduce to
+        their designees (and vouches for those we attest), and forwards the means they send back to
+        our members."""
+        s = self.session
+        assert self.desk is not None
+        try:
+            s.plan = await asyncio.wait_for(self.desk.get_plan(), max(0.0, s.deadline - clock.now()))
+        except TimeoutError:
+            raise RoundFailed("the round's designees could not be read from the board") from None
+        s.arrived.set()
+        vouched = [k for k in range(s.units) if s.attester(k) == self.ctx.me]
+        await asyncio.gather(*(self._cross_shard(k) for k in s.mine), *(self._vouch(k) for k in vouched))
+
+    def _sub_pieces(self, k: int) -> tuple[int, int, list[bytes]]:
+        """Our group's contribution to shard ``k``'s means: (weight, enc, one body per sub-piece).
+        One sub-piece: the reducer's bytes as they are; several: its values re-encoded per piece."""
+        s, ctx = self.session, self.ctx
+        plan, shard = s.plan, s.shards[k]
+        assert plan is not None and shard.result is not None
+        approved = not s.audit or (shard.verdict is not None and shard.verdict.ok)
+        weight = s.n - len(set(shard.excluded) | set(shard.claims)) if approved else 0
+        if weight <= 0:
+            return 0, MAX_GROUP, [b""] * plan.subs
+        if plan.subs == 1:
+            return weight, s.n, [shard.result]
+        start, end = s.bounds[k]
+        values = s.result_codec.decode(shard.result, end - start)  # (end - start,) fp32
+        codec = cross_codec(ctx.codec)
+        return weight, MAX_GROUP, [codec.encode(values[a - start:b - start].contiguous())
+                                   for a, b in plan.sub_bounds(start, end)]
+
+    def _cross_header(self, k: int, j: int, weight: int, enc: int, body: bytes, attest: bool, ok: bool) -> dict[str, Any]:
+        result = hashlib.sha256(body).hexdigest() if body else VOID
+        return self._header("cross", k, sub=j, members=list(self.session.order), weight=weight, result=result,
+                            enc=enc, attest=attest, ok=ok)
+
+    async def _cross_shard(self, k: int) -> None:
+        s, ctx = self.session, self.ctx
+        plan = s.plan
+        assert plan is not None
+        shard = s.shards[k]
+        await s.wait_for(lambda: shard.result is not None and (not s.audit or shard.verdict is not None),
+                         s.deadline, f"the audit of shard {k}")
+        weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
+        for j, body in enumerate(bodies):
+            try:
+                await self._to_designee(k, j, self._cross_header(k, j, weight, enc, body, False, True), body)
+            except RoundFailed as e:
+                logger.warning("round %d: %s; our group applies its own result for it (the run may fork there)",
+                               s.round, e)
+                self.fallbacks += 1
+                header, own = fallen_back(ctx, s.round, s.base, k, j, body, weight, enc)
+                s.deposit_cross(ctx.me, dict(header, group=s.group), own)
+        await s.wait_for(lambda: all((k, j) in s.cross for j in range(plan.subs)), s.deadline,
+                         f"the cross-group means of shard {k}")
+        for j in range(plan.subs):
+            header, body = s.cross[(k, j)]
+            for peer in s.order:
+                if peer != ctx.me:
+                    self.outbox.put(peer, dict(header, group=s.group), body, strict=False)
+
+    async def _vouch(self, k: int) -> None:
+        """Tells shard ``k``'s designees that its reducer's sub-pieces are what our group approved
+        (or not): without another member's word a designee leaves a group's values out."""
+        s = self.session
+        shard = s.shards[k]
+        await s.wait_for(lambda: shard.result is not None and (not s.audit or shard.verdict is not None),
+                         s.deadline, f"the result of shard {k}")
+        weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
+        ok = weight > 0
+        for j, body in enumerate(bodies):
+            header = self._cross_header(k, j, weight, enc, body, True, ok)
+            try:
+                await self._to_designee(k, j, header, b"")
+            except RoundFailed as e:  # its reducer's sub-piece may never have reached them: the means say
+                logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, e)
+
+    async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes) -> None:
+        """Sends one sub-piece to the first of its designees that takes it."""
+        s, ctx = self.session, self.ctx
+        assert s.plan is not None and self.desk is not None
+        why = ""
+        for designee in s.plan.ranked(k, j):
+            if designee == ctx.me:
+                pause = RETRY_PAUSE[0]
+                while True:  # as ``deliver`` does: a designee not ready yet (its sub-piece to come) is asked again
+                    code, why = await self.desk.accept(ctx.me, header, body)
+                    if code in (Code.OK, Code.DUPLICATE):
+                        return
+                    if code not in (Code.NOT_READY, Code.BUSY) or clock.now() + pause >= s.deadline:
+                        break
+                    await asyncio.sleep(pause)
+                    pause = min(RETRY_PAUSE[1], 2 * pause)
+                continue
+            try:
+                await deliver(ctx, s.deadline, designee, header, body)
+                return
+            except RoundFailed as e:
+                why = str(e)
+                logger.info("round %d: designee %s of sub-piece (%d, %d) did not take it: %s", s.round, designee,
+                            k, j, why)
+        raise RoundFailed(reason(f"no designee took sub-piece ({k}, {j}): {why}"))
 
     async def _parts_delivered(self) -> None:
         """Ends when our parts are delivered; fails the round as soon as one of them cannot be."""
@@ -322,6 +436,42 @@ class AllReduceRunner:
             for p in shard.excluded:
                 self.excluded.setdefault(p, f"left out of shard {k} by {s.reducer(k)}")
         return averaged, applied, voids, conflict
+
+    def _gather_cross(self) -> tuple[torch.Tensor, list[bytes | None], list[tuple[int, int]], str]:
+        """``_gather`` with the cross-group stage: every shard is the designees' means of its
+        sub-pieces (our group's result went into them only if its audit approved it); a sub-piece
+        no group contributed to is void."""
+        s = self.session
+        plan = s.plan
+        assert plan is not None
+        averaged = torch.empty(s.numel, dtype=torch.float32)  # (numel,) fp32
+        applied: list[bytes | None] = []
+        voids: list[tuple[int, int]] = []
+        for k, (start, end) in enumerate(s.bounds):
+            h = hashlib.sha256()
+            for j, (a, b) in enumerate(plan.sub_bounds(start, end)):
+                header, body = s.cross[(k, j)]
+                h.update(bytes.fromhex(header["result"]))
+                if header["result"] == VOID:
+                    averaged[a:b] = 0.0
+                    voids.append((a, b))
+                    continue
+                try:
+                    averaged[a:b] = self.ctx.codec.for_results(header["enc"]).decode(body, b - a)
+                except CodecError as err:
+                    raise RoundFailed(f"the mean of sub-piece ({k}, {j}) is malformed: {err}") from None
+            applied.append(h.digest())
+            shard = s.shards[k]
+            if shard.verdict is not None and not shard.verdict.ok:
+                self.excluded.setdefault(s.reducer(k), reason(f"shard {k}: its auditor {s.auditor(k)} found it "
+                                                            f"{shard.verdict.reason}; our group's part left out"))
+            for p in shard.claims:
+                self.excluded.setdefault(p, f"on probation (weight 0) in shard {k}")
+            for p in shard.excluded:
+                self.excluded.setdefault(p, f"left out of shard {k} by {s.reducer(k)}")
+        if voids and sum(b - a for a, b in voids) == s.numel:
+            raise RoundFailed("no group of the round had values for any shard", dict(self.excluded))
+        return averaged, applied, voids, ""
 
     # ---- agreement after the round ------------------------------------------------------------
 

@@ -28,6 +28,9 @@ class AverageResult:
     # (clock.now()): fork choice at the next boundary should see where they ended (RoundFailed too)
     awaiting: tuple[str, ...] = ()
     awaiting_until: float = 0.0
+    # with the cross-group stage: peers ready at our base this round, beyond our group, whose groups'
+    # results went into the same means (as far as we know: the candidates our matchmaking saw)
+    companions: tuple[str, ...] = ()
 
 
 class Pending(Protocol):

@@ -23,6 +23,7 @@ from hivetrain.dht.facade import FutureLike, LoopRunner
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
+from hivetrain.peer.averaging.cross import Desk, units
 from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
 from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard
 from hivetrain.peer.averaging.reduce import digest
@@ -35,7 +36,7 @@ from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code, reason
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req")
+SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req", "cross_out")
 MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
@@ -76,6 +77,21 @@ class _Deposit:
         self.intake.abort()
 
 
+class _CrossTicket:
+    """The link's ``Ticket`` for a sub-piece sent to us as its designee."""
+
+    def __init__(self, averager: P2PAverager, desk: Desk, sender: str, header: dict[str, Any]):
+        self.averager, self.desk, self.sender, self.header = averager, desk, sender, header
+        self.deadline = clock.now() + averager.ctx.spec.allreduce_timeout
+
+    async def complete(self, body: bytes) -> Reply:
+        code, why = await self.desk.accept(self.sender, self.header, body)
+        return self.averager.refusal(self.header, code, why)
+
+    def abort(self) -> None:
+        pass
+
+
 class P2PAverager:
     """Averages pseudo-gradients with the peers of one run. Construct, then ``start()``."""
 
@@ -85,6 +101,7 @@ class P2PAverager:
         self.current_round = -1
         self.matchmaking: dict[int, Matchmaking] = {}  # this round's and the previous one's
         self.sessions: dict[int, RoundSession] = {}  # round -> the session of the group we derived (two rounds)
+        self.desks: dict[int, Desk] = {}  # round -> our designee's desk (cross.py; this round's and the previous)
         self.replayed: dict[str, str] = {}  # members that sent old parts during this round -> why
         self.announced: dict[int, float] = {}  # round -> when our announcement of it expires (unix time)
         # peers to wait for in our first round, like a previous group (the ones --wait-for-peers saw)
@@ -136,6 +153,7 @@ class P2PAverager:
         sent0, received0 = ctx.traffic.sent + self.server.traffic.sent, ctx.traffic.received + self.server.traffic.received
         self._enter(round_)
         mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base)
+        desk = self._desk(round_, base) if ctx.spec.cross_groups else None
         mm.outlive = self.announced.get(round_, 0.0)
         previous = self.sessions.get(round_ - 1)
         if previous is not None:  # the peers we just completed (or tried) a round with: likely ready soon
@@ -146,12 +164,13 @@ class P2PAverager:
             order = await mm.run()
             t1 = clock.now()
             ctx.behaviour.at("after_matchmaking", round_)
+            layout = units(ctx.numel, ctx.spec.target_group_size, ctx.spec.piece_values) if desk else None
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
                                    ctx.spec.audit, clock.now() + ctx.spec.allreduce_timeout,
-                                   ctx.spec.piece_values, mm.closed_members(order), mm.claims(order))
+                                   ctx.spec.piece_values, mm.closed_members(order), mm.claims(order), layout)
             self.sessions[round_] = session
             self._mark_replays(session)
-            outcome = await AllReduceRunner(ctx, session).run(delta)
+            outcome = await AllReduceRunner(ctx, session, desk).run(delta)
         except RoundFailed as e:
             mm.view.abandoned = True  # tell peers that still ask: we are out of this round
             excluded = {**mm.view.capped, **e.excluded}
@@ -167,24 +186,52 @@ class P2PAverager:
             raise
         sent = ctx.traffic.sent + self.server.traffic.sent - sent0
         received = ctx.traffic.received + self.server.traffic.received - received0
+        # with the cross-group stage: how many groups and members the round's means came from (at most)
+        groups = max((h["groups"] for h, _ in session.cross.values()), default=1)
+        members = max((h["weight"] for h, _ in session.cross.values()), default=len(order))
+        others = len(mm.seen - set(order)) - max(0, members - len(order))
         stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": clock.now() - t1,
-                 "others_seen": float(len(mm.seen - set(order))), "up_claim_kBps": float(mm.view.me_up),
-                 "shards_reduced": float(len(session.mine)), "shards": float(session.units)}
+                 "others_seen": float(max(0, others)), "up_claim_kBps": float(mm.view.me_up),
+                 "shards_reduced": float(len(session.mine)), "shards": float(session.units),
+                 "groups": float(groups), "round_members": float(max(members, len(order)))}
         # alone while others of the run were here: they may be averaging without us right now
-        alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 else ()
+        alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges), alone,
-                             clock.now() + self._settle_s if alone else 0.0)
+                             clock.now() + self._settle_s if alone else 0.0,
+                             tuple(sorted(mm.ready_here - set(order))) if groups > 1 else ())
 
     @property
     def _settle_s(self) -> float:
         """Seconds within which peers still matching when we went alone must have ended the round."""
         return self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout + SETTLE_MARGIN
 
+    def _desk(self, round_: int, base: str) -> Desk:
+        desk = self.desks.get(round_)
+        if desk is None or desk.base != base:
+            if desk is not None:
+                desk.stop()
+            desk = self.desks[round_] = Desk(self.ctx, self.board, round_, base,
+                                             lambda header, body: self._local_mean(round_, header, body),
+                                             lambda: self._own_record(round_, base))
+        return desk
+
+    def _own_record(self, round_: int, base: str) -> Ready | None:
+        mm = self.matchmaking.get(round_)
+        return mm.own_record() if mm is not None and mm.view.base == base else None
+
+    def _local_mean(self, round_: int, header: dict[str, Any], body: bytes) -> None:
+        """A mean our desk computed for a shard we reduce in our own group."""
+        session = self.sessions.get(round_)
+        if session is not None and session.plan is not None:
+            session.deposit_cross(self.ctx.me, dict(header, group=session.group), body)
+
     def _enter(self, round_: int) -> None:
         self.current_round = round_
         self.replayed = {}
+        for old in [r for r in self.desks if r != round_ - 1]:
+            self.desks.pop(old).stop()
         for rounds in (self.matchmaking, self.sessions):
             # the previous round's are kept (late askers, evidence requests); any others are gone, rounds
             # ahead of us too: after a sync to another lineage, the round counter can go back
@@ -224,7 +271,7 @@ class P2PAverager:
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         kind = header["type"]
-        if kind != "view" and kind not in SESSION_KINDS:  # (a well-formed message of another protocol)
+        if kind != "view" and kind != "cross" and kind not in SESSION_KINDS:  # (a well-formed message of another protocol)
             return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
         round_ = header["round"]
         if header["run"] != self.ctx.run:
@@ -234,7 +281,15 @@ class P2PAverager:
                 header, Code.WRONG_SIZE, "a view request has no body")
         if not self.current_round - 1 <= round_ <= self.current_round + 1:
             return self.refusal(header, Code.FOREIGN, f"round {round_} is not near ours ({self.current_round})")
+        if kind == "cross":
+            return self._admit_cross(sender, header, body_len)
         session = self.sessions.get(round_)
+        if kind == "cross_out":  # from a designee (not a member) or our reducer: checked by the session
+            if session is None or session.group != header["group"]:
+                return self.refusal(header, Code.NOT_READY if session is None else Code.WRONG_GROUP,
+                                    "no such group of ours in that round")
+            crossed = session.admit_cross(sender, header, body_len)
+            return _Deposit(self, crossed) if isinstance(crossed, Intake) else self.refusal(header, *crossed)
         if sender in self.ctx.bans and (session is None or sender not in session.order):
             # (a member we caught during this round still delivers its part of the round: the others
             # wait for it, and what it sends is checked like anybody's)
@@ -261,6 +316,19 @@ class P2PAverager:
         if code == Code.NOT_MEMBER:  # it named a group it is not in: nobody honest does that
             self.ctx.bans.ban(sender, f"round {round_}: sent a {kind} for a group it is not in")
         return self.refusal(header, code, why)
+
+    def _admit_cross(self, sender: str, header: dict[str, Any], body_len: int) -> Reply | Ticket:
+        """A group's sub-piece for us as its designee: only for a round and base we are ready for."""
+        round_ = header["round"]
+        if not self.ctx.spec.cross_groups:
+            return self.refusal(header, Code.MALFORMED, "this run has no cross-group stage")
+        # (a member we banned is heard: its group still needs the means; the desk leaves its values out)
+        mm = self.matchmaking.get(round_)
+        if mm is None or mm.view.base != header["base"]:
+            return self.refusal(header, Code.NOT_READY, "we are not forming that round's group from that base")
+        if body_len > self.max_body:
+            return self.refusal(header, Code.WRONG_SIZE, "too large")
+        return _CrossTicket(self, self._desk(round_, header["base"]), sender, header)
 
     def _on_view(self, sender: str, header: dict[str, Any]) -> Reply:
         round_, base = header["round"], header["base"]

@@ -24,7 +24,17 @@ from hivetrain.dht import clock
 from hivetrain.peer.averaging.api import group_order
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import Ready, ReadyBoard
-from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, outgoing, priority, settle
+from hivetrain.peer.averaging.views import (
+    Caps,
+    Report,
+    View,
+    answer,
+    derive_group,
+    fold,
+    outgoing,
+    priority,
+    settle,
+)
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.prefixes import first_prefix
@@ -39,6 +49,7 @@ FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tr
 RECONCILE_PAUSE = 0.05  # seconds before asking again when a sweep changed nothing
 AGREE_MIN = 2 * VIEW_TIMEOUT + 2.0  # seconds, at least, for the agreement after the window
 MAX_MEMO = 4096  # peers whose priority a round remembers (any peer can make us look one up)
+MAX_BOARD = 4096  # peers ready at our base that a round's partition is derived from
 
 
 @dataclass
@@ -60,6 +71,8 @@ class Matchmaking:
         self.expected: set[str] = set()  # our previous round's group: waited for like announced peers
         self.elsewhere: set[str] = set()  # ready at another base: nobody waits for them
         self.seen: set[str] = set()  # every peer with a record for this round, any base (for "alone" warnings)
+        self.ready_here: set[str] = set()  # ready at our base on our board (signed records): the partition's input
+        self.ready_at = clock.wall()  # unix time we were ready (our record's ``eta``)
         self.waited = 0.0  # seconds the window stayed open
         self.outlive = 0.0  # unix time our announcement of this round expires: our ready record must outlive it
         self._prefixes: dict[str, str | None] = {}
@@ -91,11 +104,15 @@ class Matchmaking:
             opened = clock.now()
             await self._window(opened + spec.matchmaking_timeout)
             self.waited = clock.now() - opened
+            if spec.cross_groups and not self.view.decided:  # one model per round: groups are derived
+                await self._read_board()
+                derive_group(self.view, self.ready_here, spec.target_group_size)
             group = await self._agree(clock.now() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
             if self.view.me_closed and len(group) > 1:
                 await self._tell_decision(group)
         finally:
-            announce.cancel()  # decided or failed: no more store retries for this round
+            if not spec.cross_groups:  # (with the cross stage others derive the round's designees from it)
+                announce.cancel()  # decided or failed: no more store retries for this round
         if len(group) < spec.min_group_size:
             raise RoundFailed(f"group of {len(group)} is below the run's minimum of {spec.min_group_size}")
         return group_order(group, self.view.round, self.view.base)
@@ -125,9 +142,13 @@ class Matchmaking:
         told = {p for p, r in self.view.reports.items() if r.decided and tuple(sorted(r.members)) == group}
         await asyncio.gather(*(tell(p) for p in sorted(self.view.askable(group) - told, key=caps.priority)))
 
+    def own_record(self) -> Ready:
+        """Our ready record of this round, as we publish it."""
+        return Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=self.ready_at,
+                     closed=self.view.me_closed, up=self.view.me_up)
+
     async def _announce(self) -> None:
-        ready = Ready(self.ctx.me, self.view.round, self.view.base, self.ctx.run, done=True, eta=clock.wall(),
-                      closed=self.view.me_closed, up=self.view.me_up)
+        ready = self.own_record()
         ttl = max(self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout, self.outlive - clock.wall() + 1.0)
         end = clock.now() + self.ctx.spec.matchmaking_timeout
         while clock.now() < end:
@@ -155,6 +176,8 @@ class Matchmaking:
         pending: dict[str, float] = {}
         for r in records:
             if r.done and r.base == self.view.base:
+                if len(self.ready_here) < MAX_BOARD:
+                    self.ready_here.add(r.peer_id)
                 self.view.mark(r.peer_id, r.closed, r.up)
                 if self.view.add(r.peer_id):
                     self.changed.set()
@@ -180,8 +203,8 @@ class Matchmaking:
         while True:
             await self._read_board()
             remaining = end - clock.now()
-            if (remaining <= 0 or len(self.view.effective()) >= target or self.urgent or self.view.decided
-                    or not self.worth_waiting()):
+            full = len(self.view.effective()) >= target and not self.ctx.spec.cross_groups  # (derived: a partition)
+            if remaining <= 0 or full or self.urgent or self.view.decided or not self.worth_waiting():
                 return
             self.changed.clear()
             try:
@@ -212,6 +235,8 @@ class Matchmaking:
             caps = self.caps()
             asked = settle(view, caps) - {view.me}
             if not asked and not hints:
+                if self._reopen():
+                    continue
                 view.decided = (view.me,)
                 break
             self.changed.clear()
@@ -229,6 +254,21 @@ class Matchmaking:
                 except TimeoutError:
                     pass
         return view.decided
+
+    def _reopen(self) -> bool:
+        """Our derived group left us alone (its other members did not answer: gone, or ready
+        records of peers that do not exist): once per round, we look for a group among every
+        candidate on our board instead, as before groups were derived. Returns whether we did."""
+        view = self.view
+        if view.allowed is None or len(view.allowed) < 2:
+            return False
+        logger.info("round %d: our derived group of %d left us alone; looking among all %d ready peers",
+                    view.round, len(view.allowed), len(self.ready_here))
+        view.allowed = None
+        for peer in sorted(self.ready_here - set(view.excluded), key=self._priority):
+            view.add(peer)
+        view.strikes.clear()
+        return True
 
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)

@@ -34,6 +34,7 @@ from hivetrain.dht import clock
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
+from hivetrain.peer.averaging.cross import MAX_SUBS, MIN_SUB_VALUES, Plan, checked, cross_codec
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
     STATEMENT_LEN,
@@ -112,7 +113,8 @@ def _auditors(slots: list[str], reducers: tuple[str, ...]) -> list[str]:
 class RoundSession:
     def __init__(self, run: str, round_: int, base: str, order: tuple[str, ...], me: str, numel: int,
                  codec: Codec, audits: bool, deadline: float, piece_values: int | None = None,
-                 closed: frozenset[str] = frozenset(), claims: Mapping[str, int] | None = None):
+                 closed: frozenset[str] = frozenset(), claims: Mapping[str, int] | None = None,
+                 units: int | None = None):
         self.run, self.round, self.base, self.order, self.me = run, round_, base, order, me
         self.codec, self.numel, self.deadline = codec, numel, deadline
         self.closed = closed & set(order)  # outbound-only members: nobody dials them, they reduce and audit nothing
@@ -127,7 +129,10 @@ class RoundSession:
             raise RoundFailed("no member of the group can be dialed: nobody can reduce")
         nr = len(self.reducers)
         self.pieces = pieces_per_member(numel, nr, piece_values) if piece_values else 1
-        self.units = nr * self.pieces  # shards of the round
+        self.units = units or nr * self.pieces  # shards of the round (``units``: the run's layout, cross.py)
+        self.cross_on = units is not None  # the cross-group stage follows (peer/averaging/cross.py)
+        self.plan: Plan | None = None  # the round's designees, once derived (cross stage)
+        self.cross: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}  # (shard, sub) -> signed mean
         self.slots = rates.deal(self.reducers, rates.weights(self.reducers, self.claims), self.units)
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
@@ -191,6 +196,54 @@ class RoundSession:
             return Code.BUSY, "the same message is being read"
         self.reading.add(slot)
         return Intake(self, sender, header, slot, self.deadline)
+
+    def admit_cross(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | Intake:
+        """A designee's signed mean of one sub-piece: from the designee itself (we reduce that shard
+        in our group) or forwarded by our reducer of the shard."""
+        k, j = header["shard"], header["sub"]
+        if not self.cross_on:
+            return Code.MALFORMED, "this run has no cross-group stage"
+        if self.plan is None:
+            return Code.NOT_READY, "we have not derived the round's designees yet"
+        if k >= self.units or j >= self.plan.subs:
+            return Code.MALFORMED, f"sub-piece ({k}, {j}) does not exist"
+        if sender != self.reducer(k) and not (sender == header["signer"] and self.reducer(k) == self.me):
+            return Code.WRONG_ROLE, f"sub-piece ({k}, {j}) comes from its designee to its reducer, then to us"
+        if (k, j) in self.cross:
+            same = self.cross[(k, j)][0]["result"] == header["result"]
+            return (Code.DUPLICATE, "") if same else (Code.DUPLICATE, "we hold another mean of it (first come)")
+        if body_len not in (0, self.cross_nbytes(k, j, header["enc"])):
+            return Code.WRONG_SIZE, f"sub-piece ({k}, {j}) has {body_len} bytes, not {self.cross_nbytes(k, j, header['enc'])}"
+        slot = ("cross_out", k, j)
+        if slot in self.reading:
+            return Code.BUSY, "the same message is being read"
+        self.reading.add(slot)
+        return Intake(self, sender, header, slot, self.deadline)
+
+    def cross_nbytes(self, k: int, j: int, enc: int) -> int:
+        """Bytes of sub-piece (k, j) encoded with the codec of groups of ``enc`` members."""
+        assert self.plan is not None
+        start, end = self.bounds[k]
+        a, b = self.plan.sub_bounds(start, end)[j]
+        return self.codec.for_results(enc).encoded_nbytes(b - a)
+
+    def attester(self, k: int) -> str | None:
+        """Who vouches to the designees for our group's sub-pieces of shard ``k``: its auditor (it
+        approved or rejected the result), else (no audit) the first other member, else nobody."""
+        if self.audit:
+            return self.auditor(k)
+        return next((p for p in self.order if p != self.reducer(k)), None)
+
+    def deposit_cross(self, sender: str, header: dict[str, Any], body: bytes) -> Refusal:
+        assert self.plan is not None
+        why = checked(header, body, self.plan, self.reducer(header["shard"]))
+        if why:
+            if sender != header["signer"] and sender in self.order:
+                return self._convict(sender, Code.MALFORMED, f"forwarded a mean that is not a designee's: {why}")
+            return Code.MALFORMED, why
+        self.cross.setdefault((header["shard"], header["sub"]), (header, body))
+        self.arrived.set()
+        return Code.OK, ""
 
     def _admit_part(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
         k = header["shard"]
@@ -266,6 +319,8 @@ class RoundSession:
     def deposit(self, sender: str, header: dict[str, Any], body: bytes) -> Refusal:
         kind = header["type"]
         k = header.get("shard", -1)
+        if kind == "cross_out":
+            return self.deposit_cross(sender, header, body)
         if kind == "part":
             shard = self.shards[k]
             if digest(body) != header["digest"]:
@@ -321,8 +376,11 @@ class RoundSession:
     def bound(self) -> int:
         """The most bytes of peer input a session can hold: the parts of the shards we reduce and
         audit from every member, every shard's result, and every member's statements."""
+        subs = min(MAX_SUBS, max(1, -(-self.numel // self.units) // MIN_SUB_VALUES))  # sub-pieces per shard, at most
+        means = max(cross_codec(self.codec).encoded_nbytes(self.numel), self.result_codec.encoded_nbytes(self.numel)) + \
+            self.units * subs * 16 if self.cross_on else 0  # (+ a chunk's scale and offset per sub-piece)
         return sum(2 * self.shard_nbytes(k) + self.result_nbytes(k) for k in range(self.units)) + \
-            self.n * self.units * STATEMENT_LEN
+            self.n * self.units * STATEMENT_LEN + means
 
     def held_bytes(self) -> int:
         """Bytes of peer input this session holds (parts, results, evidence): bounded by its group."""
@@ -330,4 +388,5 @@ class RoundSession:
         for shard in self.shards:
             total += sum(map(len, shard.parts.values())) + len(shard.result or b"")
             total += sum(map(len, shard.evidence or []))
+        total += sum(len(body) for _, body in self.cross.values())
         return total + sum(len(s) * STATEMENT_LEN for _, s in self.applied.values())

@@ -43,6 +43,7 @@ from hivetrain.peer.net.prefixes import cap_by_prefix
 from hivetrain.peer.net.wire import MAX_GROUP
 
 Priority = Callable[[str], tuple[float, bytes]]  # smaller sorts first = kept first
+MAX_MARKS = 4096  # peers whose reachability and uplink claims a view keeps (a derived partition reads the board)
 MAX_HINTS = 2 * MAX_GROUP  # peers named by others that we ask per round; names beyond are ignored
 STRIKES = 3  # sweeps a member may disagree with a view of ours that stands still, before we act ...
 PATIENCE = 1.5  # ... and seconds: a member slowed by a busy machine must not look like a liar
@@ -83,6 +84,8 @@ class View:
     me_closed: bool = False  # nobody can dial us (fixed for the round)
     claims: dict[str, int] = field(default_factory=dict)  # uplink claims, first-hand (bounded like candidates)
     me_up: int = 0  # our uplink claim (fixed for the round)
+    allowed: frozenset[str] | None = None  # our part of the round's derived partition (None: not derived)
+    left_out: frozenset[str] = frozenset()  # candidates the partition put elsewhere, or nowhere (not on our board)
 
     def effective(self) -> frozenset[str]:
         return frozenset((self.candidates | {self.me}) - set(self.excluded) - set(self.capped))
@@ -91,17 +94,19 @@ class View:
         """A peer known first-hand to be ready; returns True if the view grew."""
         if peer == self.me or peer in self.candidates or len(self.candidates) >= 4 * MAX_GROUP:
             return False  # the cap bounds memory; which peers count is decided by the caps on effective()
+        if self.allowed is not None and peer not in self.allowed:
+            return False  # another group of the round's partition
         self.candidates.add(peer)
         return True
 
     def mark(self, peer: str, closed: bool, up: int = 0) -> None:
         """A peer's own, first-hand claims of whether it can be dialed and of its uplink (its
         latest ones count)."""
-        if peer != self.me and (peer in self.claims or len(self.claims) < 4 * MAX_GROUP):
+        if peer != self.me and (peer in self.claims or len(self.claims) < MAX_MARKS):
             self.claims[peer] = up
         if not closed:
             self.closed.discard(peer)
-        elif peer != self.me and len(self.closed) < 4 * MAX_GROUP:
+        elif peer != self.me and len(self.closed) < MAX_MARKS:
             self.closed.add(peer)
 
     def askable(self, peers: Iterable[str]) -> frozenset[str]:
@@ -126,6 +131,26 @@ def rank(round_: int, base: str, peer: str) -> bytes:
 def priority(round_: int, base: str, weight: Callable[[str], float]) -> Priority:
     """Earned trust first (higher is kept), then the hash rank."""
     return lambda peer: (-weight(peer), rank(round_, base, peer))
+
+
+def partition(peers: Collection[str], round_: int, base: str, target: int) -> list[frozenset[str]]:
+    """The round's groups, derived by every peer from the same board: the ready peers sorted by
+    their hash rank (nobody chooses it), dealt round robin into round(n / target) groups (at least
+    one), so the groups' sizes differ by one at most. One record more or less on a peer's board
+    changes the partition it derives only when the number of groups changes."""
+    ordered = sorted(set(peers), key=lambda p: rank(round_, base, p))
+    count = max(1, round(len(ordered) / max(1, target)))
+    return [frozenset(ordered[i::count]) for i in range(count)]
+
+
+def derive_group(view: View, ready: Collection[str], target: int) -> frozenset[str]:
+    """Restricts ``view`` to our group of the partition of ``ready`` (the peers ready at our base on
+    our board, first-hand: signed records) and us; returns it."""
+    ours = next(g for g in partition({*ready, view.me}, view.round, view.base, target) if view.me in g)
+    view.allowed = ours
+    view.left_out = frozenset(sorted(view.candidates - ours)[: 4 * MAX_GROUP])
+    view.candidates = (view.candidates | ours) & ours - {view.me}
+    return ours
 
 
 @dataclass(frozen=True)

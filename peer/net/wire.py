@@ -106,6 +106,7 @@ def _peers(v: Any) -> bool:
 _SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
 _MEMBER = _int(0, MAX_GROUP - 1)
 _UP = _int(0, 10**8)
+_SUB = _int(0, 63)  # a sub-piece of a shard (peer/averaging/cross.py MAX_SUBS)
 _COMMON = {"type": lambda v: isinstance(v, str), "run": _hex64, "round": _int(), "base": _hex64}
 _SESSION = {**_COMMON, "group": _hex64}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -129,6 +130,17 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # disputes: a member asks the auditor of shard ``shard`` for its copy of member ``index``'s part
     "evidence_req": {**_SESSION, "shard": _SHARD, "index": _MEMBER},
     "evidence": {**_SESSION, "shard": _SHARD, "index": _MEMBER, "ok": _bool},
+    # the cross-group stage (peer/averaging/cross.py): a reducer's sub-piece ``sub`` of shard ``shard`` of its
+    # group's result, with the group's members and weight (members whose parts it used), to the sub-piece's designee
+    # (attest: no body, another member's word that ``result`` is the group's approved sub-piece: ok)
+    "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, MAX_GROUP),
+              "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool},
+    # ... and the designee's signed weighted mean over the groups (``groups`` of them, ``weight`` members in
+    # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)
+    # enc: encoded with the codec reducers use for groups of that size (one group's bytes pass through)
+    "cross_out": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
+                  "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": lambda v: type(v) is str and len(v) <= MAX_PEER_ID_LEN and _peer_id(v),
+                  "sig": _sig},
     # after the round: the digest of what the sender applied; the body holds its signed statements per shard
     "applied": {**_SESSION, "digest": _hex64},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``

@@ -434,13 +434,15 @@ class DialbackLies(Attack):
 def candidates_evidence(result: Result, what: str) -> str | None:
     """Attackers that honest matchmaking took as candidates (or saw on the board)."""
     bad = attacker_ids(result)
-    held = [(i, r, len(bad & mm.view.candidates), len(bad & mm.seen)) for i, r, mm in matchmakings(result)]
+    held = [(i, r, len(bad & (mm.view.candidates | mm.view.left_out)), len(bad & mm.seen), len(bad & mm.view.left_out))
+            for i, r, mm in matchmakings(result)]
     held = [h for h in held if h[2] or h[3]]
     if not held:
         return None
     most = max(held, key=lambda h: (h[2], h[3]))
     return (f"{what}: {len(held)} honest matchmakings held attackers (peer {most[0]} round {most[1]}: "
-            f"{most[2]} attacker candidates, {most[3]} attackers on its board)")
+            f"{most[2]} attacker candidates, {most[4]} of them left out by the derived partition, "
+            f"{most[3]} attackers on its board)")
 
 
 class ReadyFlood(Attack):

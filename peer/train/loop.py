@@ -379,7 +379,7 @@ class Trainer:
             self._awaiting = (r, result.awaiting, result.awaiting_until)
             self.outer.apply(result.averaged, self.model, keep=result.void_ranges, link=result.applied)
             if self.parts.trust is not None:  # what fork choice and probation weigh: rounds completed together
-                self.parts.trust.record_completed(r, result.group, self.parts.peer_id)
+                self.parts.trust.record_completed(r, (*result.group, *result.companions), self.parts.peer_id)
             self.totals["rounds_completed"] += 1
             self.totals["bytes_sent"] += result.bytes_sent
             self.totals["bytes_received"] += result.bytes_received
@@ -424,11 +424,15 @@ class Trainer:
         overlapped = " (overlapped)" if self.spec.overlap != "none" else ""
         eval_part = f" | held-out {record['eval_loss']:.3f}" if record["eval_loss"] is not None else ""
         rate = f" | {record['tokens_per_s']:,.0f} tok/s" + (f", MFU {record['mfu']:.0%}" if record.get("mfu") else "")
-        self.log(f"round {r}: train {_fmt(record['train_loss'])}{eval_part}{rate} | group {n}{' (ALONE)' if n == 1 else ''} "
+        groups = int(record.get("groups") or 1)
+        alone = n == 1 and groups <= 1
+        across = f" of {groups} groups, {int(record.get('round_members') or n)} peers" if groups > 1 else ""
+        self.log(f"round {r}: train {_fmt(record['train_loss'])}{eval_part}{rate} | group {n}{across}"
+                 f"{' (ALONE)' if alone else ''} "
                  f"| sent {record['bytes_sent'] / 1e6:.2f} MB | compute {record['compute_s']:.1f}s, {net}{overlapped}, "
                  f"idle {record['idle_s']:.1f}s | utilization {record['utilization']:.0%} | state {record['state_hash'][:12]}")
         others = int(record.get("others_seen") or 0)
-        if n == 1 and others:
+        if alone and others:
             self.log(f"warning: round {r} trained alone while {others} other peer(s) of the run were at another "
                      "state or left the group; we move to the run's state at the next boundary if it is ahead")
 

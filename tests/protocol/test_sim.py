@@ -54,8 +54,11 @@ def test_a_peer_killed_inside_the_allreduce_leaves_survivors_void_or_agreeing(po
     survivors = [0, 1, 2]
     ids = {result.peers[i].id: i for i in survivors}
     round1 = {i: rounds_of(result, i)[1] for i in survivors}
+    # the victim was in their group (it died inside the round), or they formed groups without it (the
+    # cross-group stage then gives every one that completes the round the same state), or all voided
+    completed = {r["state_hash"] for r in round1.values() if not r["void"]}
     assert result.peers[3].id in set().union(*(r.get("group", ()) for r in round1.values())) or \
-        all(r["void"] for r in round1.values()), round1  # the victim was in their group (it died inside the round)
+        len(completed) <= 1, round1
     for r in round1.values():  # never a mix of partials: who applied did so with every member, bit-identical
         if not r["void"]:
             assert all(m in ids and not round1[ids[m]]["void"] and round1[ids[m]]["state_hash"] == r["state_hash"]
@@ -66,15 +69,16 @@ def test_a_peer_killed_inside_the_allreduce_leaves_survivors_void_or_agreeing(po
 
 
 def test_a_partition_heals_into_one_state() -> None:
-    # two rounds together, then {0, 1} | {2, 3} for about four rounds, then healed
+    # two rounds together, then {0, 1} | {2, 3} for about three rounds (cut between two rounds'
+    # all-reduces: one cut inside an all-reduce voids that round at its deadline), then healed
     result = simulate(Scenario(peers=4, rounds=12, target=4, seed=5,
-                               events=(Event(at=12.0, kind="partition", peers=(2, 3), until=32.0),)))
+                               events=(Event(at=15.0, kind="partition", peers=(2, 3), until=35.0),)))
     assert not result.stalled
-    during = [rec for i, rec in result.records if rec.get("event") == "round" and 16.0 < rec["t"] < 30.0]
+    during = [rec for i, rec in result.records if rec.get("event") == "round" and 19.0 < rec["t"] < 33.0]
     assert during and all(rec["void"] or rec["group_size"] <= 2 for rec in during), during
     finals = [rounds_of(result, i)[11] for i in range(4)]
     assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 4 for r in finals), finals
-    syncs = [rec for _, rec in result.records if rec.get("event") == "sync" and rec["t"] > 32.0]
+    syncs = [rec for _, rec in result.records if rec.get("event") == "sync" and rec["t"] > 35.0]
     assert syncs, "no side re-synced after the heal"
 
 
