@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--outer-momentum", type=float, default=None, help="outer momentum (default: the preset's)")
     demo.add_argument("--inner-warmup", type=int, default=None,
                       help="inner steps of learning-rate warmup (default: the preset's)")
+    demo.add_argument("--target-group-size", type=int, default=None,
+                      help="peers per group (default: all of them in one; fewer: several groups, one state)")
     demo.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (default 8)")
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line (default off)")

@@ -27,7 +27,8 @@ def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, s
            "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers),
            "--eval-batches", str(args.eval_batches)]
     if join is None:
-        cmd += ["--new-run", "demo", "--preset", args.preset, "--target-group-size", str(args.peers),
+        cmd += ["--new-run", "demo", "--preset", args.preset,
+                "--target-group-size", str(getattr(args, "target_group_size", None) or args.peers),
                 "--info-file", os.path.join(workdir, "peer0.json")]
         for flag, value in (("--sync-every", args.sync_every), ("--batch-size", args.batch_size),
                             ("--aggregation", args.aggregation), ("--overlap", args.overlap),
@@ -131,10 +132,14 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ConfigError("--peers must be between 1 and 16 on one machine")
     if not 1 <= args.rounds <= 10_000:
         raise ConfigError("--rounds must be between 1 and 10000")
+    target = getattr(args, "target_group_size", None)
+    if target is not None and not 1 <= target <= 64:
+        raise ConfigError("--target-group-size must be between 1 and 64")
     workdir = args.dir or tempfile.mkdtemp(prefix="hivetrain-demo-")
     os.makedirs(workdir, exist_ok=True)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    say(f"demo: {args.peers} peers x {args.rounds} rounds of the {args.preset!r} preset on 127.0.0.1 "
+    groups = f" in groups of {target}" if target and target < args.peers else ""
+    say(f"demo: {args.peers} peers x {args.rounds} rounds of the {args.preset!r} preset on 127.0.0.1{groups} "
         f"(logs in {workdir})")
     deadline = time.monotonic() + args.timeout
     swarm = Swarm(workdir)

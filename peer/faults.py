@@ -21,7 +21,7 @@ from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.reduce import Finding, FindingKind
 from hivetrain.peer.errors import ConfigError
 
-POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "after_round", "serve_state",
+POINTS = ("after_matchmaking", "before_parts", "after_parts", "before_results", "before_cross", "after_round", "serve_state",
           "parts", "results")
 # kill/stop/exit fire once at POINT:ROUND; the others stand from ROUND on: "corrupt" (a state donor
 # serving wrong bytes, at POINT "serve_state"), the part attacks below (at POINT "parts"), "wrongsum"

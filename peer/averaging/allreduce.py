@@ -64,6 +64,7 @@ from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
+DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before we ask the next designee
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
 FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
 
@@ -189,6 +190,7 @@ class AllReduceRunner:
         except TimeoutError:
             raise RoundFailed("the round's designees could not be read from the board") from None
         s.arrived.set()
+        self.ctx.behaviour.at("before_cross", s.round)
         vouched = [k for k in range(s.units) if s.attester(k) == self.ctx.me]
         await asyncio.gather(*(self._cross_shard(k) for k in s.mine), *(self._vouch(k) for k in vouched))
 
@@ -223,22 +225,46 @@ class AllReduceRunner:
         await s.wait_for(lambda: shard.result is not None and (not s.audit or shard.verdict is not None),
                          s.deadline, f"the audit of shard {k}")
         weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
-        for j, body in enumerate(bodies):
-            try:
-                await self._to_designee(k, j, self._cross_header(k, j, weight, enc, body, False, True), body)
-            except RoundFailed as e:
-                logger.warning("round %d: %s; our group applies its own result for it (the run may fork there)",
-                               s.round, e)
-                self.fallbacks += 1
-                header, own = fallen_back(ctx, s.round, s.base, k, j, body, weight, enc)
-                s.deposit_cross(ctx.me, dict(header, group=s.group), own)
+        await asyncio.gather(*(self._sub_piece(k, j, weight, enc, body) for j, body in enumerate(bodies)))
         await s.wait_for(lambda: all((k, j) in s.cross for j in range(plan.subs)), s.deadline,
                          f"the cross-group means of shard {k}")
         for j in range(plan.subs):
             header, body = s.cross[(k, j)]
+            # the mean of one group, ours, is our result's own bytes: the members have them already
+            own = plan.subs == 1 and header["result"] == shard.result_hash and body == shard.result
             for peer in s.order:
                 if peer != ctx.me:
-                    self.outbox.put(peer, dict(header, group=s.group), body, strict=False)
+                    self.outbox.put(peer, dict(header, group=s.group), b"" if own else body, strict=False)
+
+    async def _sub_piece(self, k: int, j: int, weight: int, enc: int, body: bytes) -> None:
+        """Our group's sub-piece (k, j) to its first designee that takes it; if the mean does not
+        come back in time (the designee died with it), to the next one; if none takes it, our
+        group applies its own values there (loudly: the run may fork there)."""
+        s, ctx = self.session, self.ctx
+        assert s.plan is not None
+        header = self._cross_header(k, j, weight, enc, body, False, True)
+        skip: set[str] = set()
+        patience = min(ctx.spec.matchmaking_timeout, ctx.spec.allreduce_timeout / 4) + DESIGNEE_MARGIN
+        try:
+            while True:
+                taker = await self._to_designee(k, j, header, body, skip)
+                try:
+                    await s.wait_for(lambda: (k, j) in s.cross, min(s.deadline, clock.now() + patience),
+                                     f"the mean of sub-piece ({k}, {j})")
+                    return
+                except RoundFailed:
+                    if clock.now() >= s.deadline or taker == ctx.me:
+                        raise
+                    logger.warning("round %d: designee %s took sub-piece (%d, %d) and sent no mean in %.0f s; "
+                                   "asking the next", s.round, taker, k, j, patience)
+                    skip.add(taker)
+        except RoundFailed as e:
+            if (k, j) in s.cross:
+                return
+            logger.warning("round %d: %s; our group applies its own result for it (the run may fork there)", s.round, e)
+            self.fallbacks += 1
+            own_header, own = fallen_back(ctx, s.round, s.base, k, j, body, weight, enc)
+            s.deposit_cross(ctx.me, dict(own_header, group=s.group), own)
 
     async def _vouch(self, k: int) -> None:
         """Tells shard ``k``'s designees that its reducer's sub-pieces are what our group approved
@@ -256,18 +282,22 @@ class AllReduceRunner:
             except RoundFailed as e:  # its reducer's sub-piece may never have reached them: the means say
                 logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, e)
 
-    async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes) -> None:
-        """Sends one sub-piece to the first of its designees that takes it."""
+    async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes,
+                           skip: set[str] | frozenset[str] = frozenset()) -> str:
+        """Sends one sub-piece (or our word on it) to the first of its designees that takes it;
+        returns which did."""
         s, ctx = self.session, self.ctx
         assert s.plan is not None and self.desk is not None
-        why = ""
+        why = "every designee was tried"
         for designee in s.plan.ranked(k, j):
+            if designee in skip:
+                continue
             if designee == ctx.me:
                 pause = RETRY_PAUSE[0]
                 while True:  # as ``deliver`` does: a designee not ready yet (its sub-piece to come) is asked again
                     code, why = await self.desk.accept(ctx.me, header, body)
                     if code in (Code.OK, Code.DUPLICATE):
-                        return
+                        return designee
                     if code not in (Code.NOT_READY, Code.BUSY) or clock.now() + pause >= s.deadline:
                         break
                     await asyncio.sleep(pause)
@@ -275,7 +305,7 @@ class AllReduceRunner:
                 continue
             try:
                 await deliver(ctx, s.deadline, designee, header, body)
-                return
+                return designee
             except RoundFailed as e:
                 why = str(e)
                 logger.info("round %d: designee %s of sub-piece (%d, %d) did not take it: %s", s.round, designee,

@@ -34,7 +34,7 @@ from hivetrain.dht import clock
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
-from hivetrain.peer.averaging.cross import MAX_SUBS, MIN_SUB_VALUES, Plan, checked, cross_codec
+from hivetrain.peer.averaging.cross import MAX_SUBS, MIN_SUB_VALUES, VOID, Plan, checked, cross_codec
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
     STATEMENT_LEN,
@@ -236,7 +236,12 @@ class RoundSession:
 
     def deposit_cross(self, sender: str, header: dict[str, Any], body: bytes) -> Refusal:
         assert self.plan is not None
-        why = checked(header, body, self.plan, self.reducer(header["shard"]))
+        k = header["shard"]
+        if not body and header["result"] != VOID:  # forwarded without its bytes: our group's own result, passed through
+            if self.shards[k].result is None or self.shards[k].result_hash != header["result"]:
+                return Code.NOT_READY, f"the result of shard {k} it stands for has not reached us"
+            body = self.shards[k].result
+        why = checked(header, body, self.plan, self.reducer(k))
         if why:
             if sender != header["signer"] and sender in self.order:
                 return self._convict(sender, Code.MALFORMED, f"forwarded a mean that is not a designee's: {why}")

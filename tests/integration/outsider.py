@@ -117,7 +117,7 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
     node = await DHTNode.create(p2p=p2p, initial_peers=[maddr], client_mode=True)
     sybils = [Key() for _ in range(3)]
     log["sybils"] = [s.peer_id for s in sybils]
-    protocol = f"hivetrain/avg/4/{spec_hash[:32]}"
+    protocol = f"hivetrain/avg/5/{spec_hash[:32]}"  # (the averaging protocol version: peer/averaging/context.py)
     end = time.monotonic() + seconds
     stalled: list[Any] = []
     try:

@@ -14,6 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from hivetrain.dht.hardening import nested_tuple_payload
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
+from hivetrain.peer.averaging.context import PROTOCOL_VERSION
 from hivetrain.peer.net.wire import Code
 
 
@@ -79,7 +80,7 @@ async def _frames(maddr: str, spec_hash: str) -> dict[str, object]:
     from hivetrain.peer.net.wire import MAGIC, MAX_HEADER, PREFIX, read_frame
 
     attacker = await P2P.create(initial_peers=[maddr])
-    handler = f"hivetrain/avg/4/{spec_hash[:32]}"
+    handler = f"hivetrain/avg/{PROTOCOL_VERSION}/{spec_hash[:32]}"
     victim = PeerID.from_base58(maddr.rsplit("/", 1)[1])
     out: dict[str, object] = {}
     try:

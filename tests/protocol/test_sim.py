@@ -121,3 +121,42 @@ def test_a_member_at_a_fifth_of_the_uplink_only_sends_once_its_rate_is_measured(
         assert slow.id not in rec["reducers"] and slow.id not in rec["auditors"]
     states = {rounds_of(result, p.index)[2]["state_hash"] for p in result.peers}
     assert len(states) == 1  # one group, one state, whatever the shares
+
+
+def test_seventy_two_peers_in_nine_groups_end_every_round_on_one_state() -> None:
+    # ready over 1-3 s (most after the designees' first second), a fifth at 20 Mbit/s
+    result = simulate(Scenario(peers=72, target=8, jitter_s=3.0, slow_fraction=0.2, rounds=3, seed=1))
+    assert not result.stalled
+    for r in range(3):
+        recs = [rounds_of(result, i)[r] for i in range(72)]
+        assert not [rec for rec in recs if rec["void"]], [rec["why"] for rec in recs if rec["void"]][:3]
+        assert len({rec["state_hash"] for rec in recs}) == 1  # one state for the whole run
+        assert len({tuple(sorted(rec["group"])) for rec in recs}) == 9  # in nine groups of eight
+        assert {rec["groups"] for rec in recs} == {9.0} and {rec["round_members"] for rec in recs} == {72.0}
+
+
+class KillGroup(KillAt):
+    """Kills every member of its own group as the cross-group stage of round 1 begins."""
+
+    def at(self, point: str, round_: int) -> None:
+        if (point, round_) == ("before_cross", 1) and not self.fired and self.swarm is not None:
+            self.fired = True
+            me = self.swarm.peers[self.index]
+            order = me.peer.averager.sessions[1].order if me.peer is not None else ()
+            self.victims = [p.index for p in self.swarm.peers if p.id in order]
+            for i in self.victims:
+                self.swarm.crash(i, 0.0)
+
+
+def test_a_group_killed_in_the_cross_stage_is_gone_and_the_others_agree() -> None:
+    kill = KillGroup("before_cross")
+    swarm = Swarm(Scenario(peers=12, rounds=3, target=4, seed=3, behaviours=((0, kill),)))
+    kill.swarm, kill.index = swarm, 0
+    result = swarm.run()
+    assert kill.fired and len(kill.victims) == 4 and all(result.peers[i].gone for i in kill.victims)
+    survivors = [i for i in range(12) if i not in kill.victims]
+    round1 = [rounds_of(result, i)[1] for i in survivors]
+    completed = {rec["state_hash"] for rec in round1 if not rec["void"]}
+    assert len(completed) <= 1, round1  # whoever completed round 1 did so on one state
+    round2 = [rounds_of(result, i)[2] for i in survivors]
+    assert all(not rec["void"] for rec in round2) and len({rec["state_hash"] for rec in round2}) == 1, round2
