@@ -42,8 +42,9 @@ def test_demo_three_peers_three_rounds(tmp_path: Path) -> None:
         # never sent back): at most 1/16 more. Per group, since shares follow each member's measured uplink.
         ratio = sum(each) / len(each) / ring_allreduce_bytes(numel, 3)
         assert 0.36 < ratio < 0.45, f"round {round_}: int8 bytes with audits are {ratio:.3f} of fp32"
-    # H=5 inner steps per round and audited int8 instead of fp32: about 5 * 8 / 3 = 13x fewer bytes than DDP
-    assert summary["ddp_equivalent_bytes"] > 12.5 * max(summary["bytes_sent_per_peer"].values())
+    # H=5 inner steps per round and audited int8 instead of fp32: about 5 * 8 / 3 = 13x fewer bytes than DDP;
+    # with each shard to its designee (above) and shares by uplink (one peer may reduce more): over 11x
+    assert summary["ddp_equivalent_bytes"] > 11 * max(summary["bytes_sent_per_peer"].values())
 
 
 def test_malformed_initial_peers_is_one_clear_line(tmp_path: Path) -> None:
