@@ -38,7 +38,6 @@ import asyncio
 import hashlib
 import logging
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,7 @@ import torch
 from hivetrain.dht import clock
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.delivery import send_all
@@ -132,9 +132,7 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
     early = [r for r in ready if r.eta <= t0 + window]
     # nobody dials a closed peer; if every early peer is closed, each can still be its own designee
     chosen = {r.peer_id: r.up for r in early if not r.closed} or {r.peer_id: r.up for r in early}
-    known = [u for u in chosen.values() if u > 0]
-    median = statistics.median(known) if known else 1.0
-    weights = {p: float(min(u or median, 4 * median)) for p, u in chosen.items()}
+    weights = rates.weights(sorted(chosen), chosen)  # (unknown: the median; at most 4x it)
     return Plan(round_, base, tuple(sorted(chosen)[:MAX_DESIGNEES]), weights, units_, numel)
 
 
@@ -379,9 +377,6 @@ class Desk:
         header = self.ctx.header("cross_out", self.round, self.base, group=ZERO, shard=k, sub=j, result=result,
                                  weight=weight, groups=groups, enc=enc, signer=self.ctx.me, sig=sig.hex())
         return header, body
-
-    def held_bytes(self) -> int:
-        return sum(len(e.body) for u in self.work.values() for e in u.entries.values())
 
     def stop(self) -> None:
         for task in [self._poller, self._planning, *(u.task for u in self.work.values())]:
