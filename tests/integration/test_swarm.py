@@ -43,8 +43,11 @@ def test_demo_three_peers_three_rounds(tmp_path: Path) -> None:
         ratio = sum(each) / len(each) / ring_allreduce_bytes(numel, 3)
         assert 0.36 < ratio < 0.45, f"round {round_}: int8 bytes with audits are {ratio:.3f} of fp32"
     # H=5 inner steps per round and audited int8 instead of fp32: about 5 * 8 / 3 = 13x fewer bytes than DDP;
-    # with each shard to its designee (above) and shares by uplink (one peer may reduce more): over 11x
-    assert summary["ddp_equivalent_bytes"] > 11 * max(summary["bytes_sent_per_peer"].values())
+    # with each shard to its designee (above): over 11x for the mean peer. Shares follow each peer's measured
+    # uplink (up to 4x the median's), so one peer may send more than the others: over 8x for the busiest
+    sent_per_peer = list(summary["bytes_sent_per_peer"].values())
+    assert summary["ddp_equivalent_bytes"] > 11 * sum(sent_per_peer) / len(sent_per_peer)
+    assert summary["ddp_equivalent_bytes"] > 8 * max(sent_per_peer)
 
 
 def test_malformed_initial_peers_is_one_clear_line(tmp_path: Path) -> None:
