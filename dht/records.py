@@ -201,9 +201,12 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "eta": _is_float(0.0, 1e11),  # unix time the peer expects to be ready (its claim; bounded by the reader)
         "closed": lambda v: isinstance(v, bool),  # true: nobody can dial it (an outbound-only member); may be absent
         "up": _is_int(0, 10**8),  # its uplink claim for the round, kB/s (0: unknown); may be absent
+        "out": lambda v: isinstance(v, bool),  # true: its round failed (it voids); may be absent
+        # ... and the group it failed in (itself included; at most 64): peers no designee waits for
+        "group": lambda v: isinstance(v, list) and len(v) <= 64 and all(_is_peer_id(p) for p in v),
     },
 }
-OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed", "up"})}  # fields a record may leave out
+OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed", "up", "out", "group"})}  # fields a record may leave out
 BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id
 
 

@@ -13,9 +13,11 @@ of about the run's ``piece_values``; peer/averaging/session.py). Every member:
 4. checks any "wrong aggregate" accusation itself on the auditor's evidence (peer/averaging/disputes.py);
 5. applies each shard whose verdict is positive and whose result is the one the auditor checked; a
    shard its auditor rejects is void (those parameters and their momentum keep their values);
-6. tells every member the digest of what it applied, with the signed statements it holds: a member
-   whose digest disagrees with the majority of its group voids the round (and re-syncs at the next
-   boundary); a reducer or auditor that signed two different statements is caught and banned.
+6. tells every member the digest of what it applied: a member whose digest disagrees with the
+   majority of its group voids the round (and re-syncs at the next boundary). Members whose digests
+   differ ask each other for the signed statements they hold (results and verdicts, per shard): a
+   reducer or auditor that signed two different statements is caught and banned. An honest round
+   costs each member one digest per member, not the statements of every shard (O(n x pieces)).
 
 A member that fails anywhere raises RoundFailed at the deadline at the latest, like the others.
 """
@@ -37,7 +39,7 @@ from hivetrain.dht import clock
 from hivetrain.kernels.errors import CodecError
 from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.cross import VOID, Desk, cross_codec, fallen_back, round_id
+from hivetrain.peer.averaging.cross import LONG_WAIT, VOID, Desk, cross_codec, fallen_back, round_id
 from hivetrain.peer.averaging.delivery import RETRY_PAUSE, Outbox, deliver, send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
@@ -53,18 +55,22 @@ from hivetrain.peer.averaging.reduce import (
 )
 from hivetrain.peer.averaging.session import RoundSession, Verdict
 from hivetrain.peer.averaging.statements import (
+    STATEMENT_LEN,
+    Statement,
     applied_digest,
     commitment,
-    pack_all,
     sign_result,
     sign_verdict,
+    unpack_all,
 )
 from hivetrain.peer.errors import RoundFailed
+from hivetrain.peer.net.link import request
 from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
 DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before we ask the next designee
+STATEMENTS_SHARE = 0.25  # of the deadline, for fetching the statements of a member that applied something else
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
 FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
 
@@ -244,7 +250,7 @@ class AllReduceRunner:
         assert s.plan is not None
         header = self._cross_header(k, j, weight, enc, body, False, True)
         skip: set[str] = set()
-        patience = min(ctx.spec.matchmaking_timeout, ctx.spec.allreduce_timeout / 4) + DESIGNEE_MARGIN
+        patience = LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN  # (as long as a designee may wait)
         try:
             while True:
                 taker = await self._to_designee(k, j, header, body, skip)
@@ -509,15 +515,13 @@ class AllReduceRunner:
         """Sends what we applied to every member, waits for a majority (or everyone, or the deadline),
         convicts equivocating signers, and fails the round if a majority applied something else."""
         s, ctx = self.session, self.ctx
-        ours = held_statements(s)
-        body = pack_all(ours)
         header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine)
         voters = [p for p in s.order if p != ctx.me and s.reaches_us(p)]  # closed members cannot reach each other
-        sends = asyncio.ensure_future(self._send_all([(p, header, body) for p in voters], strict=False))
+        sends = asyncio.ensure_future(self._send_all([(p, header, b"") for p in voters], strict=False))
         n = 1 + len(voters)
 
         def settled() -> bool:
-            agree = 1 + sum(d == mine for d, _ in s.applied.values())
+            agree = 1 + sum(d == mine for d in s.applied.values())
             return 2 * agree > n or len(s.applied) == n - 1
 
         try:
@@ -525,14 +529,41 @@ class AllReduceRunner:
         except RoundFailed:
             pass  # the deadline: decide on what arrived
         await sends
-        for member, (_, theirs) in list(s.applied.items()):
-            for culprit, why in equivocators(s, member, ours, theirs):
-                self._convict(culprit, why)
-        agree = 1 + sum(d == mine for d, _ in s.applied.values())
+        differ = sorted(m for m, d in s.applied.items() if d != mine)
+        if differ:  # who signed two different things? their statements against ours
+            ours = held_statements(s)
+            fetched = await asyncio.gather(*(self._statements_of(m) for m in differ))
+            for member, theirs in zip(differ, fetched, strict=True):
+                for culprit, why in equivocators(s, member, ours, theirs or []):
+                    self._convict(culprit, why)
+        agree = 1 + sum(d == mine for d in s.applied.values())
         if 2 * agree <= n:  # a member not backed by a majority of its group (those it hears) applies nothing
-            others = Counter(d for d, _ in s.applied.values() if d != mine)
+            others = Counter(d for d in s.applied.values() if d != mine)
             raise RoundFailed(f"only {agree} of {n} members applied what we did ({sum(others.values())} reported "
                               "something else): void, and re-sync")
+
+    async def _statements_of(self, member: str) -> list[Statement] | None:
+        """The statements ``member`` holds (it applied something else than we did); None if it does
+        not show them in time (nobody is convicted without them)."""
+        s, ctx = self.session, self.ctx
+        header = ctx.header("statements_req", s.round, s.base, group=s.group)
+        timeout = max(1.0, STATEMENTS_SHARE * ctx.spec.allreduce_timeout)
+        try:
+            reply, body = await request(ctx.link, member, ctx.protocol, header, b"", timeout,
+                                        max_reply_body=s.units * STATEMENT_LEN, traffic=ctx.traffic)
+        except Exception as e:
+            logger.info("round %d: %s did not show its statements: %r", s.round, member, e)
+            return None
+        if reply.get("type") != "statements" or not reply.get("ok"):
+            return None
+        try:
+            theirs = unpack_all(body, s.units)
+        except ValueError as e:
+            self._convict(member, f"malformed statements: {e}")
+            return None
+        if len(s.statements) < s.n:
+            s.statements[member] = theirs
+        return theirs
 
     # ---- sending --------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ import torch
 
 from hivetrain.dht import clock
 from hivetrain.dht.facade import FutureLike, LoopRunner
+from hivetrain.peer.averaging.agreement import held_statements
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
@@ -28,7 +30,7 @@ from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
 from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.session import Intake, RoundSession
-from hivetrain.peer.averaging.statements import STATEMENT_LEN
+from hivetrain.peer.averaging.statements import STATEMENT_LEN, pack_all
 from hivetrain.peer.averaging.views import Report
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import Done, Reply, Server, Ticket
@@ -36,7 +38,7 @@ from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code, reason
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req", "cross_out")
+SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req", "statements_req", "cross_out")
 MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
@@ -175,6 +177,8 @@ class P2PAverager:
             mm.view.abandoned = True  # tell peers that still ask: we are out of this round
             excluded = {**mm.view.capped, **e.excluded}
             ours = self.sessions.get(round_)
+            if desk is not None:
+                self._out(mm, ours.order if ours is not None else (ctx.me,))
             # the members we did not find at fault may still complete the round in a group without us
             # (they decided later, without a member that died): fork choice should see how it ended
             awaiting = tuple(p for p in ours.order if p != ctx.me and p not in excluded)[:MAX_AWAITED] \
@@ -201,6 +205,21 @@ class P2PAverager:
                              tuple(outcome.void_ranges), alone,
                              clock.now() + self._settle_s if alone else 0.0,
                              tuple(sorted(mm.ready_here - set(order))) if groups > 1 else ())
+
+    def _out(self, mm: Matchmaking, group: tuple[str, ...]) -> None:
+        """Our round failed: we say so on the board (our ready record again, ``out``, with the group
+        we were in), so that the round's designees stop waiting for our group (cross.py)."""
+        record = dataclasses.replace(mm.own_record(), out=True, group=tuple(group[:MAX_GROUP]))
+        spec = self.ctx.spec  # (it must outlive our ready record: the DHT keeps the later expiration)
+        ttl = max(spec.matchmaking_timeout + spec.allreduce_timeout + 10.0, mm.outlive - clock.wall() + 2.0)
+
+        async def publish() -> None:
+            try:
+                await asyncio.wait_for(self.board.publish(self.ctx.identity, record, ttl), READ_TIMEOUT)
+            except Exception as e:  # a background task: say what went wrong, never raise unseen
+                logger.info("round %d: saying we are out failed: %r", record.round, e)
+
+        self.runner.submit(publish())
 
     @property
     def _settle_s(self) -> float:
@@ -300,6 +319,11 @@ class P2PAverager:
                 return self.refusal(header, code, "no such evidence")
             return self.ctx.header("evidence", round_, header["base"], group=session.group, shard=header["shard"],
                                    index=header["index"], ok=True), body
+        if kind == "statements_req" and session is not None and session.group == header["group"]:
+            if sender not in session.order:
+                return self.refusal(header, Code.NOT_MEMBER, "statements are for the group's members")
+            return self.ctx.header("statements", round_, header["base"], group=session.group, ok=True), \
+                pack_all(held_statements(session))
         if round_ < self.current_round:
             return self._late(sender, header)
         if session is None or session.group != header["group"]:

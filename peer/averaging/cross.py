@@ -16,11 +16,14 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
 1. The reducer of shard k in each group, once its auditor approved the result (or rejected it:
    then the group's weight is 0), sends each sub-piece of its result with the group's members and
    weight (members whose parts it used) to the sub-piece's designee (a ``cross`` request).
-2. The designee (``Desk``) waits until the groups it received cover every peer on the round's
-   board (ready at our base, or announced and not ready elsewhere), or CROSS_GRACE past the first
-   arrival, then computes the weighted mean of the groups' sub-pieces in a fixed order (by group
-   hash) and encodes it once: one set of bytes, signed, sent back to every reducer that sent it
-   (``cross_out``). A group that arrives later is refused: it voids and re-syncs.
+2. The designee (``Desk``) waits until the groups it received cover every peer in the round: ready
+   at our base by the round's *cutoff* (the earliest ready record + ``matchmaking_timeout``, the
+   grace any straggler gets), less the peers whose round failed (they publish their ready record
+   again with ``out`` and their group: a peer two of them name is out too). It waits at most LONG_WAIT x ``allreduce_timeout`` past
+   the first arrival (a group that died), then computes the weighted mean of the groups'
+   sub-pieces in a fixed order (by group hash) and encodes it once: one set of bytes, signed, sent
+   back to every reducer that sent it (``cross_out``). A group that arrives later is refused: it
+   applies its own values (the run forks there; fork choice re-syncs it at the next boundary).
 3. Each reducer forwards the signed sub-pieces of its shards to its members. Every member checks the
    signature against the designees it derived itself and applies exactly those bytes, so every
    peer that completes the round holds the same state. A member that misses one voids the round
@@ -38,6 +41,7 @@ import asyncio
 import hashlib
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +70,7 @@ RANKS = 3  # designees per sub-piece: the first, and who takes over when it cann
 MAX_DESIGNEES = 4096  # ready records a plan reads
 MAX_CROSS_GROUPS = 256  # group results one sub-piece takes (one per group)
 POLL = 0.5  # s between board reads while a designee waits for groups
+LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most its designee waits for the others
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
 
@@ -100,6 +105,7 @@ class Plan:
     weights: dict[str, float]
     units: int  # shards of the round (U)
     numel: int
+    t0: float = 0.0  # unix time of the earliest ready record at the base: the round's cutoff counts from it
 
     @property
     def subs(self) -> int:
@@ -127,13 +133,13 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
     """The plan from a board's records (pure): see the module doc."""
     ready = [r for r in records if r.done and r.base == base and r.spec == run and r.round == round_]
     if not ready:
-        return Plan(round_, base, (), {}, units_, numel)
+        return Plan(round_, base, (), {}, units_, numel, 0.0)
     t0 = min(r.eta for r in ready)
     early = [r for r in ready if r.eta <= t0 + window]
     # nobody dials a closed peer; if every early peer is closed, each can still be its own designee
     chosen = {r.peer_id: r.up for r in early if not r.closed} or {r.peer_id: r.up for r in early}
     weights = rates.weights(sorted(chosen), chosen)  # (unknown: the median; at most 4x it)
-    return Plan(round_, base, tuple(sorted(chosen)[:MAX_DESIGNEES]), weights, units_, numel)
+    return Plan(round_, base, tuple(sorted(chosen)[:MAX_DESIGNEES]), weights, units_, numel, t0)
 
 
 async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_: int, numel: int,
@@ -232,7 +238,7 @@ class Desk:
         self.plan: Plan | None = None
         self._planning: asyncio.Future[Plan] | None = None
         self.work: dict[tuple[int, int], _Unit] = {}
-        self.board_peers: set[str] = set()
+        self.waiting: set[str] | None = None  # peers whose groups our means wait for (None: board not read yet)
         self._poller: asyncio.Task[None] | None = None
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
@@ -295,8 +301,8 @@ class Desk:
         if len(unit.entries) >= MAX_CROSS_GROUPS:
             return Code.BUSY, "too many groups for one sub-piece"
         banned = sender in self.ctx.bans  # we caught its reducer misbehaving: its group gets the means, without its values
-        unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"], b"" if banned else body,
-                                     header["enc"], header["result"])
+        unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"],
+                                     b"" if banned else body, header["enc"], header["result"])
         if unit.task is None:
             unit.first = clock.now()
             unit.task = asyncio.ensure_future(self._finish(k, j, unit))
@@ -316,22 +322,44 @@ class Desk:
                 logger.debug("round %d: board read failed: %r", self.round, e)
                 records = []
             if records:
-                elsewhere = {r.peer_id for r in records if r.done and r.base != self.base}
-                self.board_peers = {r.peer_id for r in records[:MAX_DESIGNEES]
-                                    if (r.done and r.base == self.base)
-                                    or (not r.done and r.base in (self.base, ZERO) and r.peer_id not in elsewhere)}
+                self.waiting = self.waited(records)
             await asyncio.sleep(POLL)
 
+    def waited(self, records: Sequence[Ready]) -> set[str]:
+        """The peers in the round, from the board: ready at our base by the round's cutoff (the
+        earliest ready record + ``matchmaking_timeout``, the grace any straggler gets) and, until
+        the cutoff has settled, those that announced it and are not ready elsewhere; less those
+        whose round failed (``out``: they said so, and named their group). A peer ready later is
+        late: a group of late peers that arrives before the means are computed is in them, the
+        means never wait for one."""
+        assert self.plan is not None
+        cutoff = self.plan.t0 + self.ctx.spec.matchmaking_timeout
+        records = [r for r in records if r.spec == self.ctx.run][:MAX_DESIGNEES]
+        elsewhere = {r.peer_id for r in records if r.done and r.base != self.base}
+        failed = [r for r in records if r.out and r.base == self.base]
+        named = Counter(p for r in failed for p in set(r.group[:MAX_GROUP]) - {r.peer_id})
+        # (a peer that died in a failed group says nothing; its group says it for it: two of them, so that
+        # one identity cannot name honest peers to hurry the means past their groups)
+        out = {r.peer_id for r in failed} | {p for p, n in named.items() if n >= 2}
+        waited = {r.peer_id for r in records if r.done and r.base == self.base and r.eta <= cutoff}
+        if clock.wall() < cutoff + self.timing[1]:
+            waited |= {r.peer_id for r in records
+                       if not r.done and r.base in (self.base, ZERO) and r.peer_id not in elsewhere}
+        return waited - out
+
     async def _finish(self, k: int, j: int, unit: _Unit) -> None:
-        grace = min(self.ctx.spec.matchmaking_timeout, self.ctx.spec.allreduce_timeout / 4)
+        """Computes the sub-piece's mean once the groups of every peer in the round (``waited``)
+        arrived and were vouched for, or LONG_WAIT x ``allreduce_timeout`` past the first arrival
+        (a group that died in the cross stage: the others go on without it)."""
+        patience = LONG_WAIT * self.ctx.spec.allreduce_timeout
         try:
-            while clock.now() < unit.first + grace:
+            while clock.now() < unit.first + patience:
                 covered = set().union(*(e.members for e in unit.entries.values()))
                 attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0
                                for e in unit.entries.values())
-                if self.board_peers and self.board_peers <= covered and attested:
+                if self.waiting is not None and self.waiting <= covered and attested:
                     break
-                await asyncio.sleep(min(POLL / 2, max(0.0, unit.first + grace - clock.now())))
+                await asyncio.sleep(min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
             header, body = await asyncio.to_thread(self._mean, k, j, list(unit.entries.values()))
             unit.out = (header, body)

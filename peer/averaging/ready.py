@@ -31,6 +31,8 @@ class Ready:
     eta: float = 0.0  # unix time it expects to be ready (a claim: readers bound what they wait)
     closed: bool = False  # nobody can dial it: an outbound-only member (peer/averaging/views.py)
     up: int = 0  # its uplink claim for the round, kB/s (peer/averaging/rates.py; 0: unknown)
+    out: bool = False  # its round failed: it voids (published again over its ready record; cross.py)
+    group: tuple[str, ...] = ()  # ... and the group it failed in: designees stop waiting for them
 
 
 class ReadyBoard(Protocol):
@@ -46,9 +48,11 @@ class ReadyBoard(Protocol):
 def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope:
     """The signed record. An announcement expires before the ready record that follows it, so the
     DHT (which keeps the later expiration under one subkey) never lets it replace that one."""
-    payload = encode_payload("ready", dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base,
-                                           spec_hash=ready.spec, done=ready.done, eta=float(ready.eta),
-                                           closed=ready.closed, up=ready.up))
+    fields = dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base, spec_hash=ready.spec,
+                  done=ready.done, eta=float(ready.eta), closed=ready.closed, up=ready.up)
+    if ready.out:
+        fields.update(out=True, group=list(ready.group))
+    payload = encode_payload("ready", fields)
     return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, clock.wall() + ttl)
 
 
@@ -59,7 +63,8 @@ def verified(envelope: Envelope) -> Ready | None:
     except InvalidRecord:
         return None
     return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"], fields["done"],
-                 fields["eta"], fields.get("closed", False), fields.get("up", 0))
+                 fields["eta"], fields.get("closed", False), fields.get("up", 0), fields.get("out", False),
+                 tuple(fields.get("group", ())))
 
 
 class DHTReadyBoard:

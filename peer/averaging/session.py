@@ -14,7 +14,7 @@ whose role it is:
 - a part of shard k: from any member, and only if we reduce or audit k; exactly the shard's size;
 - the result of shard k: from its reducer only, signed by it (peer/averaging/statements.py);
 - the verdict on shard k: from its auditor only, signed by it;
-- an ``applied`` report: from each member once.
+- an ``applied`` report (a digest, no body): from each member once.
 
 Sizes are checked on the header, before a body is read; a slot is reserved while its body is read.
 The same message again is a DUPLICATE (a retry after a lost ack); a different one in a filled slot
@@ -42,7 +42,6 @@ from hivetrain.peer.averaging.statements import (
     Where,
     commitment,
     result_message,
-    unpack_all,
     valid,
     verdict_message,
 )
@@ -141,7 +140,8 @@ class RoundSession:
         self.mine = [k for k in range(self.units) if self.reducer(k) == me]  # shards we reduce
         self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
         self.shards = [ShardState() for _ in range(self.units)]
-        self.applied: dict[str, tuple[str, list[Statement]]] = {}  # member -> (digest, its statements)
+        self.applied: dict[str, str] = {}  # member -> the digest of what it applied
+        self.statements: dict[str, list[Statement]] = {}  # member whose digest differs -> its statements (fetched)
         self.reading: set[tuple[Any, ...]] = set()
         self.culprits: dict[str, str] = {}  # members caught breaking the protocol in this session -> why
         self.arrived = asyncio.Event()
@@ -312,11 +312,11 @@ class RoundSession:
 
     def _admit_applied(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
         if sender in self.applied:
-            if self.applied[sender][0] == header["digest"]:
+            if self.applied[sender] == header["digest"]:
                 return Code.DUPLICATE, ""
             return self._convict(sender, Code.EQUIVOCATION, "reported two different applied digests")
-        if body_len != self.units * STATEMENT_LEN:
-            return Code.WRONG_SIZE, f"{body_len} bytes of statements for {self.units} shards"
+        if body_len:
+            return Code.WRONG_SIZE, "an applied report has no body (statements are asked for)"
         return None
 
     # ---- deposit (with the body) --------------------------------------------------------------
@@ -343,10 +343,7 @@ class RoundSession:
             self.shards[k].verdict = Verdict(header["ok"], header["result"], header["finding"], header["reason"],
                                              bytes.fromhex(header["sig"]))
         elif kind == "applied":
-            try:
-                self.applied[sender] = (header["digest"], unpack_all(body, self.units))
-            except ValueError as e:
-                return self._convict(sender, Code.MALFORMED, f"malformed statements: {e}")
+            self.applied[sender] = header["digest"]
         self.arrived.set()
         return Code.OK, ""
 
@@ -394,4 +391,4 @@ class RoundSession:
             total += sum(map(len, shard.parts.values())) + len(shard.result or b"")
             total += sum(map(len, shard.evidence or []))
         total += sum(len(body) for _, body in self.cross.values())
-        return total + sum(len(s) * STATEMENT_LEN for _, s in self.applied.values())
+        return total + sum(len(s) * STATEMENT_LEN for s in self.statements.values())

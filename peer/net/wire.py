@@ -143,6 +143,10 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
                   "sig": _sig},
     # after the round: the digest of what the sender applied; the body holds its signed statements per shard
     "applied": {**_SESSION, "digest": _hex64},
+    # a member whose digest differs asks for the sender's statements per shard (signed results and verdicts:
+    # peer/averaging/statements.py), in the body of the reply
+    "statements_req": _SESSION,
+    "statements": {**_SESSION, "ok": _bool},
     # state sync: index -1 asks for the manifest (piece hashes), i >= 0 for piece i of state ``base``
     "state_req": {**_COMMON, "index": _int(-1, 2**31)},
     "state_resp": {**_COMMON, "index": _int(-1, 2**31), "ok": _bool, "reason": _text},

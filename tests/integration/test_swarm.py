@@ -113,3 +113,23 @@ def test_error_feedback_run_stays_bit_identical(swarm, codec: list[str]) -> None
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
     assert all(not r["void"] and r["group_size"] == 2 for r in a + b)
 
+
+
+@pytest.mark.slow
+def test_eight_peers_in_two_groups_end_every_round_on_one_state(tmp_path: Path) -> None:
+    # 8 real peer processes, groups of 4: the cross-group stage gives all 8 one state per round
+    result = run_cli("demo", "--peers", "8", "--target-group-size", "4", "--rounds", "3", "--sync-every", "5",
+                     "--json", "--dir", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(summary["state_hashes"]) == ["0", "1", "2"]
+    for round_, hashes in summary["state_hashes"].items():
+        assert len(hashes) == 8 and len(set(hashes)) == 1, f"round {round_}: peers disagree: {hashes}"
+    members = []
+    for i in range(8):
+        rounds = [r for r in map(json.loads, (tmp_path / f"peer{i}.jsonl").read_text().splitlines())
+                  if r["event"] == "round"]
+        assert [r["round"] for r in rounds] == [0, 1, 2] and not any(r["void"] for r in rounds), rounds
+        members += [r["round_members"] for r in rounds]
+    # every round's means came from all 8 (in two groups of four, or fewer larger ones under load)
+    assert set(members) == {8.0}

@@ -23,6 +23,8 @@ def test_every_member_applies_the_same_bytes(n: int) -> None:
         results = swarm.all_reduce(0, BASE, deltas(n))
         done = assert_identical(results, members=n)
         assert set(done[0].group) == set(swarm.ids())
+        # every member applied the same: nobody asked anybody for its statements (they cost O(n x pieces))
+        assert all(len(p.sessions[0].applied) == n - 1 and not p.sessions[0].statements for p in swarm.peers)
         mean = torch.stack(deltas(n)).mean(0)
         err = (done[0].averaged - mean).abs().max()
         assert err < 0.05 * mean.abs().max(), err  # int8 parts, robust aggregation of honest parts: near the mean

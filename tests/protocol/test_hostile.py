@@ -358,6 +358,8 @@ def test_an_equivocating_reducer_is_proven_and_banned_by_every_member() -> None:
             why = swarm.peers[i].ctx.bans.why(cheat_id) or ""
             assert "equivocation" in why or "not the one its auditor checked" in str(results[i]), (i, why, story(results))
         assert sum("equivocation" in (swarm.peers[i].ctx.bans.why(cheat_id) or "") for i in range(3)) >= 2
+        # (the proof: statements that members whose digests differed asked each other for)
+        assert any(swarm.peers[i].sessions[0].statements for i in range(3))
         nxt = swarm.all_reduce(1, BASE, deltas(n, seed=1))
         for r in completed(nxt[:3]):
             assert cheat_id not in r.group  # never grouped with again
