@@ -13,11 +13,12 @@ of about the run's ``piece_values``; peer/averaging/session.py). Every member:
 4. checks any "wrong aggregate" accusation itself on the auditor's evidence (peer/averaging/disputes.py);
 5. applies each shard whose verdict is positive and whose result is the one the auditor checked; a
    shard its auditor rejects is void (those parameters and their momentum keep their values);
-6. tells every member the digest of what it applied: a member whose digest disagrees with the
-   majority of its group voids the round (and re-syncs at the next boundary). Members whose digests
-   differ ask each other for the signed statements they hold (results and verdicts, per shard): a
+6. tells every member the digest of what it applied and the hash of the signed statements it holds
+   (results and verdicts, per shard): a member whose digest disagrees with the majority of its group
+   voids the round (and re-syncs at the next boundary). Members whose hashes differ ask each other
+   for those statements: a
    reducer or auditor that signed two different statements is caught and banned. An honest round
-   costs each member one digest per member, not the statements of every shard (O(n x pieces)).
+   costs each member two hashes per member, not the statements of every shard (O(n x pieces)).
 
 A member that fails anywhere raises RoundFailed at the deadline at the latest, like the others.
 """
@@ -59,6 +60,7 @@ from hivetrain.peer.averaging.statements import (
     Statement,
     applied_digest,
     commitment,
+    pack_all,
     sign_result,
     sign_verdict,
     unpack_all,
@@ -515,7 +517,9 @@ class AllReduceRunner:
         """Sends what we applied to every member, waits for a majority (or everyone, or the deadline),
         convicts equivocating signers, and fails the round if a majority applied something else."""
         s, ctx = self.session, self.ctx
-        header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine)
+        ours = held_statements(s)
+        held = hashlib.sha256(pack_all(ours)).hexdigest()
+        header = ctx.header("applied", s.round, s.base, group=s.group, digest=mine, held=held)
         voters = [p for p in s.order if p != ctx.me and s.reaches_us(p)]  # closed members cannot reach each other
         sends = asyncio.ensure_future(self._send_all([(p, header, b"") for p in voters], strict=False))
         n = 1 + len(voters)
@@ -529,9 +533,8 @@ class AllReduceRunner:
         except RoundFailed:
             pass  # the deadline: decide on what arrived
         await sends
-        differ = sorted(m for m, d in s.applied.items() if d != mine)
+        differ = sorted(m for m, d in s.applied.items() if d != mine or s.held.get(m) != held)
         if differ:  # who signed two different things? their statements against ours
-            ours = held_statements(s)
             fetched = await asyncio.gather(*(self._statements_of(m) for m in differ))
             for member, theirs in zip(differ, fetched, strict=True):
                 for culprit, why in equivocators(s, member, ours, theirs or []):

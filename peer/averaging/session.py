@@ -141,6 +141,7 @@ class RoundSession:
         self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
         self.shards = [ShardState() for _ in range(self.units)]
         self.applied: dict[str, str] = {}  # member -> the digest of what it applied
+        self.held: dict[str, str] = {}  # member -> the hash of the statements it holds
         self.statements: dict[str, list[Statement]] = {}  # member whose digest differs -> its statements (fetched)
         self.reading: set[tuple[Any, ...]] = set()
         self.culprits: dict[str, str] = {}  # members caught breaking the protocol in this session -> why
@@ -343,7 +344,7 @@ class RoundSession:
             self.shards[k].verdict = Verdict(header["ok"], header["result"], header["finding"], header["reason"],
                                              bytes.fromhex(header["sig"]))
         elif kind == "applied":
-            self.applied[sender] = header["digest"]
+            self.applied[sender], self.held[sender] = header["digest"], header["held"]
         self.arrived.set()
         return Code.OK, ""
 

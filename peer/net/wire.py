@@ -142,8 +142,9 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
                   "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": lambda v: type(v) is str and len(v) <= MAX_PEER_ID_LEN and _peer_id(v),
                   "sig": _sig},
     # after the round: the digest of what the sender applied; the body holds its signed statements per shard
-    "applied": {**_SESSION, "digest": _hex64},
-    # a member whose digest differs asks for the sender's statements per shard (signed results and verdicts:
+    # (held: the SHA-256 of the signed statements the sender holds, peer/averaging/statements.py)
+    "applied": {**_SESSION, "digest": _hex64, "held": _hex64},
+    # a member whose digest or held statements differ asks for the sender's statements per shard (signed results and verdicts:
     # peer/averaging/statements.py), in the body of the reply
     "statements_req": _SESSION,
     "statements": {**_SESSION, "ok": _bool},
