@@ -3,7 +3,10 @@ it joins a run's DHT, publishes forged heartbeats and ready records, and throws 
 stream floods at the run's peers. Run as a script; it writes what it did, and what it was told,
 to a JSON file.
 
-    python tests/integration/outsider.py MADDR RUN_KEY SPEC_HASH PEER_ID[,PEER_ID...] SECONDS OUT.json
+    python tests/integration/outsider.py MADDR RUN_KEY SPEC_HASH PEER_ID[,PEER_ID...] SECONDS OUT.json [VERSION]
+
+VERSION: the averaging protocol's version (part of its libp2p protocol name; an attacker reads it
+off the peers' code), 6 unless given.
 """
 
 from __future__ import annotations
@@ -111,13 +114,14 @@ def header(kind: str, spec_hash: str, round_: int, base: str, **fields: Any) -> 
     return raw
 
 
-async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], seconds: float, out: str) -> None:
+async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], seconds: float, out: str,
+               version: int = 6) -> None:
     log: dict[str, Any] = {"stored": {}, "frames": {}, "flood": {}, "sybils": []}
     p2p = await P2P.create(initial_peers=[maddr])
     node = await DHTNode.create(p2p=p2p, initial_peers=[maddr], client_mode=True)
     sybils = [Key() for _ in range(3)]
     log["sybils"] = [s.peer_id for s in sybils]
-    protocol = f"hivetrain/avg/5/{spec_hash[:32]}"  # (the averaging protocol version: peer/averaging/context.py)
+    protocol = f"hivetrain/avg/{version}/{spec_hash[:32]}"  # (the averaging protocol: peer/averaging/context.py)
     end = time.monotonic() + seconds
     stalled: list[Any] = []
     try:
@@ -195,4 +199,5 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
 
 if __name__ == "__main__":
     maddr, run_key, spec_hash, peers, seconds, out = sys.argv[1:7]
-    asyncio.run(main(maddr, run_key, spec_hash, peers.split(","), float(seconds), out))
+    version = int(sys.argv[7]) if len(sys.argv) > 7 else 6
+    asyncio.run(main(maddr, run_key, spec_hash, peers.split(","), float(seconds), out, version))

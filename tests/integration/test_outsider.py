@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hivetrain.peer.averaging.context import PROTOCOL_VERSION
+
 from .conftest import PeerProc, wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -52,8 +54,8 @@ def test_an_outsider_with_stock_hivemind_cannot_take_over_split_or_stall_the_run
     out = tmp_path / "outsider.json"
     script = Path(__file__).with_name("outsider.py")
     attacker = subprocess.Popen([sys.executable, str(script), info["maddrs"][0], info["run_key"], info["spec_hash"],
-                                 ",".join(ids), "40", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+                                 ",".join(ids), "40", str(out), str(PROTOCOL_VERSION)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
     peak = list(baseline)
     try:
         while any(p.proc.poll() is None for p in peers):

@@ -38,7 +38,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
                    "probation": [PEER2], "sig": HEX * 2},
         "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
                   "sig": HEX * 2},
-        "applied": {"group": HEX, "digest": HEX},
+        "applied": {"group": HEX, "digest": HEX, "held": HEX},
         "evidence_req": {"group": HEX, "shard": 0, "index": 0},
         "ack": {"code": 0, "reason": ""},
     }
@@ -68,7 +68,7 @@ def _read(data: bytes, timeout: float = 5.0, max_body: int = MAX_BODY, eof: bool
 @pytest.mark.parametrize("kind", ["view", "view_reply", "part", "result", "audit", "applied", "ack"])
 def test_round_trip_every_type(kind: str) -> None:
     header = _header(kind)
-    body = bytes(range(256)) * 3 if kind in ("part", "result", "applied") else b""
+    body = bytes(range(256)) * 3 if kind in ("part", "result") else b""
     frame = encode_frame(header, body)
     magic, header_len, body_len = PREFIX.unpack(frame[:PREFIX.size])
     assert magic == MAGIC and body_len == len(body) and len(frame) == PREFIX.size + header_len + body_len
