@@ -84,12 +84,14 @@ def test_sigkill_inside_allreduce_voids_or_agrees(swarm, tmp_path: Path, point: 
 
     round1 = {p.records("start")[0]["peer_id"]: next(r for r in p.records() if r["round"] == 1) for p in others}
     story = [(r["void"], r["group_size"], r["why"]) for r in round1.values()]
-    # never a mix of partials: a survivor that applied did so with every member of its group, all with the same
-    # bytes (a survivor that decided without the victim, before the others did, can apply alone: its own group)
+    # never a mix of partials: a survivor that applied did so with every surviving member of its group, all with
+    # the same bytes (a survivor that decided without the victim, before the others did, can apply alone: its own
+    # group). The victim itself may be in a completed group: it can die after its parts were delivered and its
+    # roles done (or with none: a member measured too slow only sends), and 3 of 4 are a majority that agrees
     for r in round1.values():
         if not r["void"]:
-            assert all(m in round1 and not round1[m]["void"] and round1[m]["state_hash"] == r["state_hash"]
-                       for m in r["group"]), story
+            assert all(not round1[m]["void"] and round1[m]["state_hash"] == r["state_hash"]
+                       for m in r["group"] if m in round1), story
     # however round 1 split them, the survivors complete round 2 together, bit-identical: one that voided
     # or went alone waits to see how the round ended for the others before it chooses its state
     round2 = {p.records("start")[0]["peer_id"]: next(r for r in p.records() if r["round"] == 2) for p in others}
