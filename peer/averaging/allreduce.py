@@ -16,9 +16,9 @@ of about the run's ``piece_values``; peer/averaging/session.py). Every member:
 6. tells every member the digest of what it applied and the hash of the signed statements it holds
    (results and verdicts, per shard): a member whose digest disagrees with the majority of its group
    voids the round (and re-syncs at the next boundary). Members whose hashes differ ask each other
-   for those statements: a
-   reducer or auditor that signed two different statements is caught and banned. An honest round
-   costs each member two hashes per member, not the statements of every shard (O(n x pieces)).
+   for those statements: a reducer or auditor that signed two different statements is caught and
+   banned. An honest round costs each member two hashes per member, not the statements of every
+   shard (O(n x pieces)).
 
 A member that fails anywhere raises RoundFailed at the deadline at the latest, like the others.
 """

@@ -141,8 +141,8 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "cross_out": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
                   "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": lambda v: type(v) is str and len(v) <= MAX_PEER_ID_LEN and _peer_id(v),
                   "sig": _sig},
-    # after the round: the digest of what the sender applied; the body holds its signed statements per shard
-    # (held: the SHA-256 of the signed statements the sender holds, peer/averaging/statements.py)
+    # after the round: the digest of what the sender applied and (held) the SHA-256 of the signed statements it
+    # holds (peer/averaging/statements.py); no body
     "applied": {**_SESSION, "digest": _hex64, "held": _hex64},
     # a member whose digest or held statements differ asks for the sender's statements per shard (signed results and verdicts:
     # peer/averaging/statements.py), in the body of the reply

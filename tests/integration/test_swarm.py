@@ -114,7 +114,6 @@ def test_error_feedback_run_stays_bit_identical(swarm, codec: list[str]) -> None
     assert all(not r["void"] and r["group_size"] == 2 for r in a + b)
 
 
-
 @pytest.mark.slow
 def test_eight_peers_in_two_groups_end_every_round_on_one_state(tmp_path: Path) -> None:
     # 8 real peer processes, groups of 4: the cross-group stage gives all 8 one state per round
