@@ -1,6 +1,7 @@
 """Local checkpoints of the outer state: written atomically every round, verified on read.
 
-Format: ``b"HTCK2\\n"`` | header length u32 LE | msgpack header {round, numel, hash, parent, link}
+Format: ``b"HTCK2\\n"`` | header length u32 LE | msgpack header {round, numel, hash, parent, link,
+population (may be absent: 0)}
 | state bytes. The state bytes are the same layout a joiner downloads (peer/state/snapshot.py), and
 the hash, which commits to the lineage (parent, link), is recomputed on read: a torn file, or one
 whose header and bytes disagree, is refused, never half-loaded. The hash lives in the same file, so
@@ -20,7 +21,7 @@ from typing import IO
 import msgpack
 
 from hivetrain.peer.errors import ConfigError, StateMismatch
-from hivetrain.peer.state.snapshot import Snapshot, is_hex64, state_nbytes
+from hivetrain.peer.state.snapshot import MAX_POPULATION, Snapshot, is_hex64, state_nbytes
 
 MAGIC = b"HTCK2\n"
 OLD_MAGIC = b"HTCK1\n"
@@ -30,7 +31,7 @@ MAX_ROUND = 2**62
 def write(path: str, snapshot: Snapshot) -> None:
     """Writes ``snapshot`` to ``path`` atomically (temp file, fsync, rename)."""
     header = msgpack.packb({"round": snapshot.round, "numel": snapshot.numel, "hash": snapshot.hash,
-                            "parent": snapshot.parent, "link": snapshot.link})
+                            "parent": snapshot.parent, "link": snapshot.link, "population": snapshot.population})
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(MAGIC + struct.pack("<I", len(header)) + header)
@@ -78,11 +79,11 @@ def read(path: str, numel: int) -> Snapshot | None:
         try:
             header = msgpack.unpackb(f.read(header_len), raw=False, max_bin_len=0, max_ext_len=0)
             round_, saved_numel, saved_hash = header["round"], header["numel"], header["hash"]
-            parent, link = header["parent"], header["link"]
+            parent, link, population = header["parent"], header["link"], header.get("population", 0)
         except Exception:  # msgpack raises many types for a damaged file; all mean "unreadable"
             raise StateMismatch(f"{path}: unreadable header") from None
         if not (_is_int(round_) and _is_int(saved_numel) and is_hex64(saved_hash) and is_hex64(parent)
-                and is_hex64(link)):
+                and is_hex64(link) and _is_int(population) and population <= MAX_POPULATION):
             raise StateMismatch(f"{path}: malformed header")
         if saved_numel != numel:
             raise StateMismatch(f"{path} holds {saved_numel} values, the run's model has {numel}")
@@ -92,7 +93,7 @@ def read(path: str, numel: int) -> Snapshot | None:
     import torch
 
     flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
-    snapshot = Snapshot.of(round_, flat[:numel], flat[numel:], parent=parent, link=link)
+    snapshot = Snapshot.of(round_, flat[:numel], flat[numel:], parent=parent, link=link, population=population)
     if snapshot.hash != saved_hash:
         raise StateMismatch(f"{path} does not match its recorded hash")
     return snapshot

@@ -18,7 +18,7 @@ from hivetrain.peer.net.link import Reply, Server
 from hivetrain.peer.net.wire import ZERO, Code, reason
 from hivetrain.peer.state.snapshot import Snapshot
 
-PROTOCOL_VERSION = 2  # 2: the link's framing and caps (version 1 had its own handler and frames)
+PROTOCOL_VERSION = 3  # 2: the link's framing and caps (version 1 had its own handler and frames); 3: a state's population in its manifest
 MAX_SERVING = 32  # streams served at once (a piece reply holds ~1 MiB until written)
 MAX_PER_REQUESTER = 4  # per requesting peer: a download keeps two pieces in flight per donor
 WRITE_TIMEOUT = 20.0  # seconds to write one reply

@@ -92,11 +92,12 @@ def nesterov_outer_step(
 
 
 def state_hash(round_: int, master: torch.Tensor, momentum: torch.Tensor, parent: str = ZERO,
-               link: str = ZERO) -> str:
+               link: str = ZERO, population: int = 0) -> str:
     """The hash that members attest: commits to the round, the exact bytes of the outer state and
-    its lineage (``parent``, ``link``: 64 hex characters each)."""
+    its lineage (``parent``, ``link``: 64 hex characters each) and population."""
     return Snapshot.of(round_, master.detach().to("cpu", torch.float32).contiguous(),
-                       momentum.detach().to("cpu", torch.float32).contiguous(), parent=parent, link=link).hash
+                       momentum.detach().to("cpu", torch.float32).contiguous(), parent=parent, link=link,
+                       population=population).hash
 
 
 @torch.no_grad()
@@ -131,6 +132,7 @@ class OuterState:
         self._delta = torch.empty(n, dtype=torch.float32)  # (n,) scratch for the pseudo-gradient
         self.parent = ZERO  # lineage of the current state: the state it came from ...
         self.link = ZERO  # ... and what was applied to it (the initial state has neither)
+        self.population = 0  # how many peers' parts made it (peer/state/snapshot.py; 0: not known)
         self._snapshot: Snapshot | None = None
 
     @property
@@ -140,7 +142,8 @@ class OuterState:
     def snapshot(self) -> Snapshot:
         """The state at the current round boundary (cached until the state changes)."""
         if self._snapshot is None or self._snapshot.round != self.round:
-            self._snapshot = Snapshot.of(self.round, self.master, self.momentum, parent=self.parent, link=self.link)
+            self._snapshot = Snapshot.of(self.round, self.master, self.momentum, parent=self.parent, link=self.link,
+                                         population=self.population)
         return self._snapshot
 
     def hash(self) -> str:
@@ -154,7 +157,7 @@ class OuterState:
         self.master.copy_(master)
         self.momentum.copy_(momentum)
         self.round = snapshot.round
-        self.parent, self.link = snapshot.parent, snapshot.link
+        self.parent, self.link, self.population = snapshot.parent, snapshot.link, snapshot.population
         self._snapshot = snapshot
         copy_flat_to_params(self.master, model.parameters())
 
@@ -177,14 +180,16 @@ class OuterState:
         return out
 
     def apply(self, averaged: torch.Tensor, model: nn.Module, keep: Sequence[tuple[int, int]] = (),
-              link: str | None = None) -> None:
+              link: str | None = None, population: int = 0) -> None:
         """Completes the round: outer step with the group's averaged delta, then params <- master.
 
         ``keep``: [start, end) ranges the round voided (shards that failed their audit): their master
         values and momentum stay as they were. ``link``: the digest of what was applied, identical on
         every member of the group (the averager's ``AverageResult.applied``, 64 lowercase hex
         characters); None: ``applied_digest(averaged, keep)``. The new state's parent is the current
-        state. Raises ValueError for a malformed ``link``."""
+        state. ``population``: how many peers' parts the averaged delta came from, when the whole run
+        agrees on it (the cross-group stage's means); 0 otherwise. Raises ValueError for a malformed
+        ``link``."""
         link = applied_digest(averaged, keep) if link is None else link
         if not is_hex64(link):
             raise ValueError("link must be 64 lowercase hex characters")
@@ -195,7 +200,7 @@ class OuterState:
             self.master[s:e] = master
             self.momentum[s:e] = momentum
         self.round += 1
-        self.parent, self.link = parent, link
+        self.parent, self.link, self.population = parent, link, population
         self._snapshot = None
         copy_flat_to_params(self.master, model.parameters())
 
@@ -203,7 +208,7 @@ class OuterState:
         """Voids the round: nothing is applied, params are restored to the master, the round advances.
 
         The new state's link is ``VOID_LINK``: every peer that voids the same state lands on the
-        same hash."""
+        same hash (the population stays the parent's)."""
         self.parent, self.link = self.hash(), VOID_LINK
         self.round += 1
         self._snapshot = None

@@ -61,7 +61,7 @@ def test_the_manifest_carries_parent_and_link_and_rebuilds_the_state() -> None:
     assert rebuilt == snap
 
 
-@pytest.mark.parametrize("where", [0, 32, 64])  # the parent, the link, a piece hash
+@pytest.mark.parametrize("where", [0, 32, 64, 72])  # the parent, the link, the population, a piece hash
 def test_a_manifest_with_any_field_changed_is_refused(where: int) -> None:
     snap = _snapshot()
     forged = bytearray(snap.manifest())
@@ -70,6 +70,25 @@ def test_a_manifest_with_any_field_changed_is_refused(where: int) -> None:
         parse_manifest(7, NUMEL, bytes(forged), snap.hash)
     with pytest.raises(StateMismatch, match="wrong length"):
         parse_manifest(7, NUMEL, snap.manifest()[:-1], snap.hash)
+
+
+def test_a_population_is_committed_to_carried_by_the_manifest_and_kept_by_checkpoints(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(7)
+    master, momentum = torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+    plain = Snapshot.of(7, master, momentum, parent=PARENT, link=LINK)
+    snap = Snapshot.of(7, master, momentum, parent=PARENT, link=LINK, population=72)
+    h = hashlib.sha256(b"hivetrain-state-v4\0" + struct.pack("<QQQQ", 7, NUMEL, PIECE_SIZE, 72)
+                       + bytes.fromhex(PARENT) + bytes.fromhex(LINK) + b"".join(snap.piece_hashes))
+    assert snap.hash == h.hexdigest() != plain.hash  # (population 0: the v3 hash of before)
+    manifest = parse_manifest(7, NUMEL, snap.manifest(), snap.hash)
+    assert manifest.population == 72
+    assert assemble(7, NUMEL, manifest, {i: snap.piece(i) for i in range(2)}) == snap
+    with pytest.raises(StateMismatch, match="does not match"):  # a donor cannot hand another population
+        parse_manifest(7, NUMEL, plain.manifest(), snap.hash)
+    path = str(tmp_path / "state.ckpt")
+    checkpoint.write(path, snap)
+    back = checkpoint.read(path, NUMEL)
+    assert back is not None and (back.population, back.hash) == (72, snap.hash)
 
 
 def test_equal_bytes_with_another_history_are_another_state() -> None:
