@@ -128,13 +128,13 @@ def make_samplers(spec: RunSpec, corpus: Corpus, workers: int, seed: int) -> lis
 class _DrivenFromOutside:
     """The averager of a benchmark trainer: the benchmark averages for all workers at once."""
 
-    def average(self, round_: int, base_hash: str, delta: Tensor) -> AverageResult:
+    def average(self, round_: int, base_hash: str, delta: Tensor, population: int = 0) -> AverageResult:
         raise AssertionError("the benchmark drives the outer step itself")
 
-    def begin(self, round_: int, base_hash: str, delta: Tensor) -> Finished:
+    def begin(self, round_: int, base_hash: str, delta: Tensor, population: int = 0) -> Finished:
         raise AssertionError("the benchmark drives the outer step itself")
 
-    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         raise AssertionError("the benchmark drives the outer step itself")
 
 

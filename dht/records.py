@@ -147,8 +147,23 @@ def heartbeat_key(run_key: str) -> str:
     return f"hivetrain/{run_key}/peers"
 
 
-def ready_key(run_key: str, round_: int) -> str:
-    return f"hivetrain/{run_key}/ready/{round_}"
+MAX_READY_LEVEL = 12  # a round's ready records are spread over at most 2^12 keys (peer/averaging/ready.py)
+
+
+def ready_key(run_key: str, round_: int, level: int = 0, bucket: int = 0) -> str:
+    """The key of bucket ``bucket`` of 2^level of round ``round_``'s ready records (one key at level 0)."""
+    if level == 0:
+        return f"hivetrain/{run_key}/ready/{round_}"
+    return f"hivetrain/{run_key}/ready/{round_}/{level}/{bucket}"
+
+
+def bucket_of(round_: int, peer_id: str, level: int) -> int:
+    """The bucket of ``peer_id``'s ready record of ``round_`` when the round has 2^level buckets:
+    the top ``level`` bits of a hash, so buckets nest from one level to the next."""
+    if level == 0:
+        return 0
+    h = hashlib.sha256(f"hivetrain-bucket/{round_}/{peer_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> (64 - level)
 
 
 # ---- payload schemas --------------------------------------------------------------------------------

@@ -16,7 +16,15 @@ from hivemind.dht.routing import DHTID
 
 from .errors import InvalidRecord
 from .identity import RUN_KEY_RE
-from .records import BOUND_KINDS, MAX_RECORD_BYTES, Envelope, decode_bound, strict_unpack
+from .records import (
+    BOUND_KINDS,
+    MAX_READY_LEVEL,
+    MAX_RECORD_BYTES,
+    Envelope,
+    bucket_of,
+    decode_bound,
+    strict_unpack,
+)
 
 
 class EnvelopeValidator(RecordValidatorBase):
@@ -45,10 +53,24 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
     if len(parts) < 3 or parts[0] != "hivetrain" or not RUN_KEY_RE.fullmatch(parts[1]):
         raise InvalidRecord("record key is not a hivetrain run key")
     expected = {"spec": ("spec",), "hb": ("peers",), "ready": ("ready", "<round>")}[envelope.kind]
-    if len(parts) - 2 != len(expected) or parts[2] != expected[0] or (len(parts) == 4 and not parts[3].isdigit()):
+    numbers = parts[3:]
+    if parts[2] != expected[0] or not all(n.isdigit() and len(n) <= 10 for n in numbers) or \
+            len(numbers) not in ((1, 3) if envelope.kind == "ready" else (0,)):
         raise InvalidRecord(f"a {envelope.kind} record may not be stored under {envelope.key!r}")
     if envelope.kind == "spec" and parts[1].rsplit(".", 1)[1] != envelope.subkey:
         raise InvalidRecord("run spec not signed by the run owner")
     if envelope.kind in BOUND_KINDS:
-        decode_bound(envelope.kind, envelope)  # schema, and the named peer is the signer
+        fields = decode_bound(envelope.kind, envelope)  # schema, and the named peer is the signer
+        if envelope.kind == "ready":
+            _check_bucket(fields, [int(n) for n in numbers])
     return envelope
+
+
+def _check_bucket(fields: dict[str, object], numbers: list[int]) -> None:
+    """A ready record sits under its own round, in its peer's bucket (peer/averaging/ready.py)."""
+    round_, level, bucket = (*numbers, 0, 0) if len(numbers) == 1 else numbers
+    if fields["round"] != round_:
+        raise InvalidRecord("a ready record stored under another round")
+    if level == 0 and len(numbers) == 3 or level > MAX_READY_LEVEL or \
+            bucket_of(round_, str(fields["peer_id"]), level) != bucket:
+        raise InvalidRecord("a ready record stored outside its peer's bucket")

@@ -27,7 +27,8 @@ from typing import Any, TextIO
 from hivetrain.dht.errors import DHTError, InvalidRecord
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.dht.records import decode_bound, heartbeat_key, ready_key
+from hivetrain.dht.records import MAX_READY_LEVEL, decode_bound, heartbeat_key, ready_key
+from hivetrain.peer.averaging.ready import level
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
 from hivetrain.peer.errors import ConfigError, PeerError
@@ -70,10 +71,21 @@ def read_peers(dht: DHT, run_key: str, spec: RunSpec, now: float | None = None) 
     return sorted(rows.values(), key=lambda r: (-r.round, r.last_seen_s, r.peer_id))
 
 
-def read_matching(dht: DHT, run_key: str, round_: int) -> dict[str, int]:
-    """Who is forming round ``round_``'s groups: ready (done) and announced (still computing)."""
+def read_matching(dht: DHT, run_key: str, round_: int, peers: int = 0, target: int = 4) -> dict[str, int]:
+    """Who is forming round ``round_``'s groups: ready (done) and announced (still computing).
+    A large run spreads a round over 2^L buckets (peer/averaging/ready.py), L from its state's
+    population, which a reader does not know: it tries the levels nearest the one ``peers``
+    heartbeats would give, and counts the first whose bucket 0 holds records (and level 0, one key,
+    which may also hold a joiner's announcement)."""
     counts = {"ready": 0, "announced": 0}
-    for envelope in dht.get(ready_key(run_key, round_)):
+    envelopes = list(dht.get(ready_key(run_key, round_)))
+    guess = level(peers, target)  # (0: a run this small has one key)
+    for lvl in [x for x in (guess, guess - 1, guess + 1, guess - 2) if 1 <= x <= MAX_READY_LEVEL] if guess else []:
+        first = list(dht.get(ready_key(run_key, round_, lvl, 0)))
+        if first:
+            envelopes += first + [e for b in range(1, 1 << lvl) for e in dht.get(ready_key(run_key, round_, lvl, b))]
+            break
+    for envelope in envelopes:
         try:
             ready = decode_bound("ready", envelope)
         except InvalidRecord:
@@ -208,5 +220,5 @@ def run_status(run_key: str, initial_peers: tuple[str, ...], as_json: bool, inte
 def read_status(dht: DHT, run_key: str, spec: RunSpec) -> dict[str, Any]:
     """The run's status from its records in the DHT, as ``summarize`` makes it."""
     status = summarize(run_key, spec, read_peers(dht, run_key, spec), observer=dht.peer_id)
-    status["matching"] = read_matching(dht, run_key, status["round"])
+    status["matching"] = read_matching(dht, run_key, status["round"], len(status["peers"]), spec.target_group_size)
     return status

@@ -31,6 +31,9 @@ class AverageResult:
     # with the cross-group stage: peers ready at our base this round, beyond our group, whose groups'
     # results went into the same means (as far as we know: the candidates our matchmaking saw)
     companions: tuple[str, ...] = ()
+    # with the cross-group stage: the total weight of the round's means (the peers whose parts are in
+    # them), the same for every peer that applies them: the new state's population (ready.level)
+    population: int = 0
 
 
 class Pending(Protocol):
@@ -40,20 +43,20 @@ class Pending(Protocol):
 
 
 class Averager(Protocol):
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
         """Averages ``delta`` (n,) fp32 with a group of peers that start round ``round_`` from the
-        state ``base_hash``. Called by the training thread; blocks at most the run's deadlines.
-        Raises RoundFailed if the round cannot complete for this peer: then nothing was averaged
-        and the caller must void the round."""
+        state ``base_hash`` (whose population is ``population``: peer/state/snapshot.py). Called by
+        the training thread; blocks at most the run's deadlines. Raises RoundFailed if the round
+        cannot complete for this peer: then nothing was averaged and the caller must void the round."""
         ...
 
-    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> Pending:
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> Pending:
         """``average`` without waiting: the caller keeps ``delta`` unchanged until ``result()`` returned."""
         ...
 
-    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         """Tells the run, without waiting, that we will be ready for round ``round_`` in about ``eta_s``
-        seconds (None: unknown), from ``base_hash`` (None: not known yet)."""
+        seconds (None: unknown), from ``base_hash`` (None: not known yet) of ``population``."""
         ...
 
 
@@ -69,10 +72,10 @@ class Finished:
         return self.outcome
 
 
-def begin_now(averager: Averager, round_: int, base_hash: str, delta: torch.Tensor) -> Finished:
+def begin_now(averager: Averager, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> Finished:
     """``begin`` for averagers that can only run synchronously."""
     try:
-        return Finished(averager.average(round_, base_hash, delta))
+        return Finished(averager.average(round_, base_hash, delta, population))
     except RoundFailed as e:
         return Finished(e)
 

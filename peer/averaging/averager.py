@@ -27,7 +27,8 @@ from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.cross import Desk, units
 from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
-from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard
+from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard, grown
+from hivetrain.peer.averaging.ready import level as ready_level
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.session import Intake, RoundSession
 from hivetrain.peer.averaging.statements import STATEMENT_LEN, pack_all
@@ -121,13 +122,18 @@ class P2PAverager:
         spec = self.ctx.spec
         return spec.matchmaking_timeout * 2 + max(AGREE_MIN, spec.matchmaking_timeout / 2) + spec.allreduce_timeout + 15
 
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
-        return self.begin(round_, base_hash, delta).result()
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
+        return self.begin(round_, base_hash, delta, population).result()
 
-    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> _InFlight:
-        return _InFlight(self.runner.submit(self.average_async(round_, base_hash, delta)), self.budget)
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> _InFlight:
+        return _InFlight(self.runner.submit(self.average_async(round_, base_hash, delta, population)), self.budget)
 
-    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+    def level(self, population: int) -> int:
+        """The round's ready buckets (2^level) at a base state of ``population`` (ready.level); one
+        without the cross-group stage, whose groups need not agree across buckets."""
+        return ready_level(population, self.ctx.spec.target_group_size) if self.ctx.spec.cross_groups else 0
+
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         """Publishes our announcement for ``round_`` in the background (best effort: a peer that is
         not announced is still found when it is ready; it only cannot be waited for). It lives
         until we must have started that round's averaging (the ETA, then at most the averaging in
@@ -143,25 +149,28 @@ class P2PAverager:
 
         async def publish() -> None:
             try:
-                await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), READ_TIMEOUT)
+                await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl, self.level(population)),
+                                       READ_TIMEOUT)
             except Exception as e:  # a background task: say what went wrong, never raise unseen
                 logger.info("round %d: announcing ahead failed: %r", round_, e)
 
         self.runner.submit(publish())
 
-    async def average_async(self, round_: int, base: str, delta: torch.Tensor) -> AverageResult:
+    async def average_async(self, round_: int, base: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
         ctx = self.ctx
         t0 = clock.now()
         sent0, received0 = ctx.traffic.sent + self.server.traffic.sent, ctx.traffic.received + self.server.traffic.received
         self._enter(round_)
-        mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base)
-        desk = self._desk(round_, base) if ctx.spec.cross_groups else None
+        level_ = self.level(population)
+        mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base, level_)
+        desk = self._desk(round_, base, level_) if ctx.spec.cross_groups else None
         mm.outlive = self.announced.get(round_, 0.0)
         previous = self.sessions.get(round_ - 1)
         if previous is not None:  # the peers we just completed (or tried) a round with: likely ready soon
             mm.expected = set(previous.order)
         elif self.first_expected:  # our first round: the peers we waited for at start (their announcement
             mm.expected, self.first_expected = self.first_expected, set()  # may still be on its way)
+        mm.expected = {p for p in mm.expected if mm.in_bucket(p)}  # (the others are grouped in their own buckets)
         try:
             order = await mm.run()
             t1 = clock.now()
@@ -204,7 +213,8 @@ class P2PAverager:
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges), alone,
                              clock.now() + self._settle_s if alone else 0.0,
-                             tuple(sorted(mm.ready_here - set(order))) if groups > 1 else ())
+                             tuple(sorted(mm.ready_here - set(order))) if groups > 1 else (),
+                             grown(population, members, ctx.spec.target_group_size) if desk is not None else 0)
 
     def _out(self, mm: Matchmaking, group: tuple[str, ...]) -> None:
         """Our round failed: we say so on the board (our ready record again, ``out``, with the group
@@ -215,7 +225,7 @@ class P2PAverager:
 
         async def publish() -> None:
             try:
-                await asyncio.wait_for(self.board.publish(self.ctx.identity, record, ttl), READ_TIMEOUT)
+                await asyncio.wait_for(self.board.publish(self.ctx.identity, record, ttl, mm.level), READ_TIMEOUT)
             except Exception as e:  # a background task: say what went wrong, never raise unseen
                 logger.info("round %d: saying we are out failed: %r", record.round, e)
 
@@ -226,14 +236,14 @@ class P2PAverager:
         """Seconds within which peers still matching when we went alone must have ended the round."""
         return self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout + SETTLE_MARGIN
 
-    def _desk(self, round_: int, base: str) -> Desk:
+    def _desk(self, round_: int, base: str, level_: int) -> Desk:
         desk = self.desks.get(round_)
-        if desk is None or desk.base != base:
+        if desk is None or desk.base != base or desk.level != level_:
             if desk is not None:
                 desk.stop()
             desk = self.desks[round_] = Desk(self.ctx, self.board, round_, base,
                                              lambda header, body: self._local_mean(round_, header, body),
-                                             lambda: self._own_record(round_, base))
+                                             lambda: self._own_record(round_, base), level_)
         return desk
 
     def _own_record(self, round_: int, base: str) -> Ready | None:
@@ -352,7 +362,7 @@ class P2PAverager:
             return self.refusal(header, Code.NOT_READY, "we are not forming that round's group from that base")
         if body_len > self.max_body:
             return self.refusal(header, Code.WRONG_SIZE, "too large")
-        return _CrossTicket(self, self._desk(round_, header["base"]), sender, header)
+        return _CrossTicket(self, self._desk(round_, header["base"], mm.level), sender, header)
 
     def _on_view(self, sender: str, header: dict[str, Any]) -> Reply:
         round_, base = header["round"], header["base"]

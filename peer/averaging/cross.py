@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from hivetrain.dht import clock
+from hivetrain.dht.records import bucket_of
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
@@ -143,12 +144,13 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
 
 
 async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_: int, numel: int,
-                    own: Ready | None = None, timing: tuple[float, float] = (DESIGNATE_WINDOW, SETTLE)) -> Plan:
-    """Reads the board until it has settled for the designees (SETTLE past the window of the
-    earliest ready record), then derives the plan; ``own``: our record, first-hand (it may not be
-    stored yet). RoundFailed if nobody is on it."""
+                    own: Ready | None = None, timing: tuple[float, float] = (DESIGNATE_WINDOW, SETTLE),
+                    level: int = 0) -> Plan:
+    """Reads the board (every bucket of 2^level) until it has settled for the designees (SETTLE past
+    the window of the earliest ready record), then derives the plan; ``own``: our record, first-hand
+    (it may not be stored yet). RoundFailed if nobody is on it."""
     for _ in range(100):
-        records = [r for r in await board.read(round_) if own is None or r.peer_id != own.peer_id]
+        records = [r for r in await board.read(round_, level) if own is None or r.peer_id != own.peer_id]
         records += [own] if own is not None else []
         ready = [r for r in records if r.done and r.base == base and r.spec == run]
         if not ready:
@@ -229,8 +231,9 @@ class Desk:
     """A designee's side of one round: takes ``cross`` requests, averages, sends the means back."""
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str,
-                 local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None]):
+                 local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0):
         self.ctx, self.board, self.round, self.base = ctx, board, round_, base
+        self.level = level  # the round's ready records are in 2^level buckets (ready.py)
         self.local = local  # delivers a mean to ourselves (we reduced that shard in our own group)
         self.own = own  # our ready record of the round (None: we are not ready for it)
         self.units_ = units(ctx.numel, ctx.spec.target_group_size, ctx.spec.piece_values)
@@ -253,7 +256,8 @@ class Desk:
             return self.plan
         if self._planning is None:
             self._planning = asyncio.ensure_future(read_plan(self.board, self.round, self.base, self.ctx.run,
-                                                             self.units_, self.ctx.numel, self.own(), self.timing))
+                                                             self.units_, self.ctx.numel, self.own(), self.timing,
+                                                             self.level))
         self.plan = await asyncio.shield(self._planning)
         return self.plan
 
@@ -314,15 +318,29 @@ class Desk:
             self._poller = asyncio.ensure_future(self._poll())
 
     async def _poll(self) -> None:
-        """Who is on the round's board: the peers our means should wait for."""
+        """Who is on the round's board: the peers our means should wait for. Every bucket is read
+        until the cutoff has settled (a peer may still become ready in any of them); after it, only
+        the buckets of peers whose groups have yet to arrive (whose records can still say ``out``:
+        a group, derived within one bucket, says so in its own)."""
+        held: dict[int, list[Ready]] = {}  # bucket -> its records, as last read
         while any(u.out is None and not u.closed for u in self.work.values()):
+            buckets: list[int] | None = None
+            if held and self.waiting is not None and self.plan is not None and \
+                    clock.wall() >= self.plan.t0 + self.ctx.spec.matchmaking_timeout + self.timing[1]:
+                missing = set().union(*(self.waiting - set().union(*(e.members for e in u.entries.values()))
+                                        for u in self.work.values() if u.out is None and not u.closed))
+                buckets = sorted({bucket_of(self.round, p, self.level) for p in missing})
             try:
-                records = await self.board.read(self.round)
+                records = await self.board.read(self.round, self.level, buckets) if buckets != [] else []
             except Exception as e:
                 logger.debug("round %d: board read failed: %r", self.round, e)
                 records = []
-            if records:
-                self.waiting = self.waited(records)
+            fresh: dict[int, list[Ready]] = {}
+            for r in records:
+                fresh.setdefault(bucket_of(self.round, r.peer_id, self.level), []).append(r)
+            held.update(fresh)  # (a bucket whose read failed keeps what we had)
+            if held:
+                self.waiting = self.waited([r for rs in held.values() for r in rs])
             await asyncio.sleep(POLL)
 
     def waited(self, records: Sequence[Ready]) -> set[str]:

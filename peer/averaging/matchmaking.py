@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from hivetrain.dht import clock
+from hivetrain.dht.records import bucket_of
 from hivetrain.peer.averaging.api import group_order
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.ready import Ready, ReadyBoard
@@ -61,8 +62,10 @@ class _Ask:
 class Matchmaking:
     """Forms one round's group. ``run`` returns the group in its fixed order, or raises RoundFailed."""
 
-    def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str):
+    def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str, level: int = 0):
         self.ctx, self.board = ctx, board
+        self.level = level  # the round has 2^level ready buckets; we read ours alone (peer/averaging/ready.py)
+        self.bucket = bucket_of(round_, ctx.me, level)
         # our reachability and uplink claim are fixed for the round
         self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim())
         self.changed = asyncio.Event()
@@ -117,6 +120,10 @@ class Matchmaking:
             raise RoundFailed(f"group of {len(group)} is below the run's minimum of {spec.min_group_size}")
         return group_order(group, self.view.round, self.view.base)
 
+    def in_bucket(self, peer: str) -> bool:
+        """Whether ``peer``'s ready record of this round is in our bucket: the peers we can group with."""
+        return bucket_of(self.view.round, peer, self.level) == self.bucket
+
     def closed_members(self, group: tuple[str, ...]) -> frozenset[str]:
         """The members of our decided group that nobody can dial (their own claims; us included)."""
         return frozenset(p for p in group if p in self.view.closed or (p == self.ctx.me and self.view.me_closed))
@@ -153,7 +160,8 @@ class Matchmaking:
         end = clock.now() + self.ctx.spec.matchmaking_timeout
         while clock.now() < end:
             try:
-                if await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl), end - clock.now()):
+                if await asyncio.wait_for(self.board.publish(self.ctx.identity, ready, ttl, self.level),
+                                          end - clock.now()):
                     return
             except TimeoutError:
                 break
@@ -166,7 +174,7 @@ class Matchmaking:
 
     async def _read_board(self) -> None:
         try:
-            records = await self.board.read(self.view.round)
+            records = await self.board.read(self.view.round, self.level, (self.bucket,))
         except Exception as e:  # a partitioned or slow DHT: the window goes on with what we know
             logger.debug("round %d: reading ready records failed: %r", self.view.round, e)
             return

@@ -5,20 +5,58 @@ expects to be ready, ``eta``, and the base if it knows it yet), and again when i
 (``done`` true). Matchmaking reads them to find candidates (done, at our base) and to know whom it
 is worth waiting for (announced, not yet done); a record counts only for the peer id its signature
 binds it to. Two boards: the DHT (real peers) and a dict in memory (tests and simulation).
+
+Buckets: a round's records are spread over 2^L keys (``ready_key``), so that no key, and no reader,
+holds the whole run. L comes from the population of the round's base state (how many peers' parts
+made it: peer/state/snapshot.py), so every peer at a base computes the same L; a peer's bucket is
+the top L bits of a hash of (round, peer id), so buckets are nested (bucket b at level L is buckets
+2b and 2b+1 at level L+1) and redrawn every round. A bucket holds about BUCKET_GROUPS target-size
+groups (between 1x and 2x that many peers): matchmaking reads its own bucket only and partitions it
+(peer/averaging/matchmaking.py); the cross-group stage reads the others (cross.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hivetrain.dht import clock
 from hivetrain.dht.errors import InvalidRecord
 from hivetrain.dht.identity import Identity
-from hivetrain.dht.records import Envelope, decode_bound, encode_payload, ready_key
+from hivetrain.dht.records import (
+    MAX_READY_LEVEL,
+    Envelope,
+    bucket_of,
+    decode_bound,
+    encode_payload,
+    ready_key,
+)
 
 READ_TIMEOUT = 5.0  # seconds for one read of the board
+BUCKET_GROUPS = 4  # target-size groups a bucket holds, about (its peers are matchmaking's input)
+READS_AT_ONCE = 16  # bucket keys one reader fetches at a time
+GROWTH = 4  # the most a state's population grows in one round (``grown``)
+
+
+def grown(population: int, weight: int, target: int) -> int:
+    """The population of the state a round makes from a base of ``population``, when its means
+    came from ``weight`` peers: at most GROWTH x the base's (and at least enough for GROWTH
+    buckets), because the weights are the groups' own claims: a run grows by a few levels a round,
+    however large a weight an attacker claims (SECURITY.md)."""
+    return min(weight, GROWTH * max(population, BUCKET_GROUPS * max(1, target)))
+
+
+def level(population: int, target: int) -> int:
+    """log2 of the number of ready buckets of a round whose base state has ``population``: the
+    largest L with population >= 2^(L+1) x BUCKET_GROUPS x target (0 for a population unknown)."""
+    per = BUCKET_GROUPS * max(1, target)
+    level_ = 0
+    while level_ < MAX_READY_LEVEL and population >= per << (level_ + 1):
+        level_ += 1
+    return level_
+
 
 
 @dataclass(frozen=True)
@@ -36,16 +74,17 @@ class Ready:
 
 
 class ReadyBoard(Protocol):
-    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
-        """Stores our signed ready record; returns whether it was stored."""
+    async def publish(self, identity: Identity, ready: Ready, ttl: float, level: int = 0) -> bool:
+        """Stores our signed ready record in our bucket of 2^level; returns whether it was stored."""
         ...
 
-    async def read(self, round_: int) -> list[Ready]:
-        """The valid ready records of ``round_`` (any base: the caller filters)."""
+    async def read(self, round_: int, level: int = 0, buckets: Sequence[int] | None = None) -> list[Ready]:
+        """The valid ready records of ``round_`` (any base: the caller filters) in ``buckets`` of
+        2^level (None: all of them)."""
         ...
 
 
-def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope:
+def sign(identity: Identity, run_key: str, ready: Ready, ttl: float, level_: int = 0) -> Envelope:
     """The signed record. An announcement expires before the ready record that follows it, so the
     DHT (which keeps the later expiration under one subkey) never lets it replace that one."""
     fields = dict(peer_id=ready.peer_id, round=ready.round, base_hash=ready.base, spec_hash=ready.spec,
@@ -53,14 +92,18 @@ def sign(identity: Identity, run_key: str, ready: Ready, ttl: float) -> Envelope
     if ready.out:
         fields.update(out=True, group=list(ready.group))
     payload = encode_payload("ready", fields)
-    return Envelope.sign(identity, "ready", ready_key(run_key, ready.round), payload, clock.wall() + ttl)
+    key = ready_key(run_key, ready.round, level_, bucket_of(ready.round, ready.peer_id, level_))
+    return Envelope.sign(identity, "ready", key, payload, clock.wall() + ttl)
 
 
-def verified(envelope: Envelope) -> Ready | None:
-    """The record's content if its ``peer_id`` is its signer's libp2p id; None otherwise."""
+def verified(envelope: Envelope, level_: int = 0, bucket: int = 0) -> Ready | None:
+    """The record's content if its ``peer_id`` is its signer's libp2p id and belongs in ``bucket``
+    of 2^level_; None otherwise."""
     try:
         fields = decode_bound("ready", envelope)
     except InvalidRecord:
+        return None
+    if bucket_of(fields["round"], fields["peer_id"], level_) != bucket:
         return None
     return Ready(fields["peer_id"], fields["round"], fields["base_hash"], fields["spec_hash"], fields["done"],
                  fields["eta"], fields.get("closed", False), fields.get("up", 0), fields.get("out", False),
@@ -73,13 +116,25 @@ class DHTReadyBoard:
     def __init__(self, dht: Any, run_key: str):
         self.dht, self.run_key = dht, run_key
 
-    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
-        return bool(await self.dht.astore(sign(identity, self.run_key, ready, ttl)))
+    async def publish(self, identity: Identity, ready: Ready, ttl: float, level: int = 0) -> bool:
+        return bool(await self.dht.astore(sign(identity, self.run_key, ready, ttl, level)))
 
-    async def read(self, round_: int) -> list[Ready]:
-        async with asyncio.timeout(READ_TIMEOUT):
-            envelopes = await self.dht.aget(ready_key(self.run_key, round_))
-        return [r for r in map(verified, envelopes) if r is not None and r.round == round_]
+    async def read(self, round_: int, level: int = 0, buckets: Sequence[int] | None = None) -> list[Ready]:
+        """Reads the buckets READS_AT_ONCE at a time; a bucket whose read fails is left out (the
+        caller reads again), unless every one failed: then the error is raised."""
+        chosen = range(1 << level) if buckets is None else buckets
+        gate = asyncio.Semaphore(READS_AT_ONCE)
+
+        async def one(bucket: int) -> list[Ready]:
+            async with gate, asyncio.timeout(READ_TIMEOUT):
+                envelopes = await self.dht.aget(ready_key(self.run_key, round_, level, bucket))
+            return [r for r in (verified(e, level, bucket) for e in envelopes) if r is not None and r.round == round_]
+
+        results = await asyncio.gather(*(one(b) for b in chosen), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            raise errors[0]
+        return [r for rs in results if not isinstance(rs, BaseException) for r in rs]
 
 
 @dataclass
@@ -87,17 +142,19 @@ class MemoryReadyBoard:
     """Ready records in a dict, for in-process swarms; signed and verified like the DHT's."""
 
     run_key: str = "memory"
-    records: dict[int, dict[str, Envelope]] = field(default_factory=dict)
+    records: dict[tuple[int, int, int], dict[str, Envelope]] = field(default_factory=dict)  # (round, level, bucket)
 
-    async def publish(self, identity: Identity, ready: Ready, ttl: float) -> bool:
-        envelope = sign(identity, self.run_key, ready, ttl)
-        held = self.records.setdefault(ready.round, {})
+    async def publish(self, identity: Identity, ready: Ready, ttl: float, level: int = 0) -> bool:
+        envelope = sign(identity, self.run_key, ready, ttl, level)
+        held = self.records.setdefault((ready.round, level, bucket_of(ready.round, ready.peer_id, level)), {})
         if envelope.subkey in held and held[envelope.subkey].expiration > envelope.expiration:
             return False  # like the DHT: the record that expires later stays
         held[envelope.subkey] = envelope
-        for old in [r for r in self.records if r < ready.round - 2]:  # bounded: recent rounds only
+        for old in [k for k in self.records if k[0] < ready.round - 2]:  # bounded: recent rounds only
             del self.records[old]
         return True
 
-    async def read(self, round_: int) -> list[Ready]:
-        return [r for r in map(verified, self.records.get(round_, {}).values()) if r is not None]
+    async def read(self, round_: int, level: int = 0, buckets: Sequence[int] | None = None) -> list[Ready]:
+        chosen = range(1 << level) if buckets is None else buckets
+        return [r for b in chosen for r in (verified(e, level, b) for e in self.records.get((round_, level, b), {}).values())
+                if r is not None]

@@ -254,7 +254,8 @@ class Trainer:
         eval_loss = self._eval() if self._eval_due() else None  # not on every sync: the others are waiting
         # the hash of what the model now holds, recomputed from its parameters (not the cached snapshot)
         params = copy_params_to_flat(self.model.parameters(), torch.empty(self.numel, dtype=torch.float32))
-        loaded_hash = state_hash(self.outer.round, params, self.outer.momentum, self.outer.parent, self.outer.link)
+        loaded_hash = state_hash(self.outer.round, params, self.outer.momentum, self.outer.parent, self.outer.link,
+                                 self.outer.population)
         self.parts.metrics.write({"event": "sync", "round": snapshot.round, "state_hash": loaded_hash,
                                   "from_round": from_round, "from_hash": from_hash, "eval_loss": eval_loss,
                                   "seconds": clock.now() - t0, **info})
@@ -332,7 +333,7 @@ class Trainer:
 
     def _announce(self, round_: int, base: str | None) -> None:
         eta = self._compute_estimate
-        self.parts.averager.announce(round_, base, eta * 1.05 + 0.2 if eta else None)
+        self.parts.averager.announce(round_, base, eta * 1.05 + 0.2 if eta else None, self.outer.population)
 
     def _compute(self, r: int, base: str, make_delta: Callable[[nn.Module], torch.Tensor]
                  ) -> tuple[dict[str, Any], torch.Tensor]:
@@ -357,9 +358,10 @@ class Trainer:
         if record["train_loss"] is None:
             self.learner.reset()  # its moments are poisoned too: start them afresh
             return Finished(RoundFailed(record["why"]))
+        population = self.outer.population  # (the outer state is at the round's base here)
         if begin:
-            return self.parts.averager.begin(r, base, delta)
-        return begin_now(self.parts.averager, r, base, delta)
+            return self.parts.averager.begin(r, base, delta, population)
+        return begin_now(self.parts.averager, r, base, delta, population)
 
     def _finish(self, record: dict[str, Any], pending: Pending, t1: float, drain: bool = False) -> dict[str, Any]:
         """The one place a round ends: waits for its averaging, applies it or voids the round
@@ -377,7 +379,8 @@ class Trainer:
             self.log(f"round {r}: VOID ({e}); parameters restored")
         else:
             self._awaiting = (r, result.awaiting, result.awaiting_until)
-            self.outer.apply(result.averaged, self.model, keep=result.void_ranges, link=result.applied)
+            self.outer.apply(result.averaged, self.model, keep=result.void_ranges, link=result.applied,
+                             population=result.population)
             if self.parts.trust is not None:  # what fork choice and probation weigh: rounds completed together
                 self.parts.trust.record_completed(r, (*result.group, *result.companions), self.parts.peer_id)
             self.totals["rounds_completed"] += 1

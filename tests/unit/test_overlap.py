@@ -39,10 +39,10 @@ class Log:
         self.events: list[tuple[Any, ...]] = []
         self.ref, self.fail = trainer_ref, fail
 
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
         return self.begin(round_, base_hash, delta).result()
 
-    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> Any:
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> Any:
         outer = self.ref[0].outer
         assert base_hash == outer.hash() and round_ == outer.round  # the base is the master we hold now
         self.events.append(("begin", round_, delta.clone()))
@@ -57,7 +57,7 @@ class Log:
 
         return InFlight()
 
-    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         self.events.append(("announce", round_, base_hash is not None))
 
 

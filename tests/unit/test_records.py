@@ -458,6 +458,36 @@ def test_check_record_accepts_ready_record(owner: Identity) -> None:
     assert decode_bound("ready", env)["peer_id"] == owner.peer_id
 
 
+def test_a_ready_record_is_accepted_only_in_its_peers_bucket_of_its_round(owner: Identity) -> None:
+    run_key = make_run_key("r1", owner.public_key)
+    payload = encode_payload("ready", dict(peer_id=owner.peer_id, round=12, base_hash=HASH, spec_hash=HASH, done=True, eta=0.0))
+    mine = records.bucket_of(12, owner.peer_id, 3)
+
+    def stored_under(key: str) -> Envelope:
+        return check_record(*_dht_args(Envelope.sign(owner, "ready", key, payload, time.time() + 60)))
+
+    assert stored_under(ready_key(run_key, 12, 3, mine)).key.endswith(f"/ready/12/3/{mine}")
+    bad = [ready_key(run_key, 12, 3, (mine + 1) % 8),  # another peer's bucket: a flood aimed at one bucket
+           ready_key(run_key, 13, 3, records.bucket_of(13, owner.peer_id, 3)),  # another round's key
+           f"hivetrain/{run_key}/ready/12/0/0",  # level 0 has one key, without numbers
+           ready_key(run_key, 12, records.MAX_READY_LEVEL + 1, records.bucket_of(12, owner.peer_id, 13)),
+           f"hivetrain/{run_key}/ready/12/3"]
+    for key in bad:
+        with pytest.raises(InvalidRecord):
+            stored_under(key)
+
+
+def test_buckets_nest_from_one_level_to_the_next_and_spread_peers_evenly() -> None:
+    peers = [Identity.generate().peer_id for _ in range(512)]
+    for p in peers[:64]:
+        assert records.bucket_of(5, p, 0) == 0
+        for level in range(1, 8):
+            assert records.bucket_of(5, p, level) >> 1 == records.bucket_of(5, p, level - 1)
+    sizes = [sum(records.bucket_of(5, p, 3) == b for p in peers) for b in range(8)]
+    assert min(sizes) > 32 and max(sizes) < 100  # 64 each on average
+    assert [records.bucket_of(5, p, 3) for p in peers] != [records.bucket_of(6, p, 3) for p in peers]  # redrawn per round
+
+
 # ---- records bound to the transport's identity ----------------------------------------------------
 
 

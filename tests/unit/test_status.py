@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hivetrain.dht.identity import Identity
-from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key, ready_key
+from hivetrain.dht.records import Envelope, bucket_of, encode_payload, heartbeat_key, ready_key
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.state.heartbeats import heartbeat_envelope
 from hivetrain.peer.status import heartbeat_ttl, read_matching, read_peers, render, summarize, watch
@@ -88,3 +88,18 @@ def test_watch_prints_json_lines_and_keeps_a_loss_trend() -> None:
     text = io.StringIO()
     watch(lambda: summarize(RUN, SPEC, []), False, 0.01, 2, text, sleep=lambda s: None)
     assert text.getvalue().count("run demo.") == 2 and "\x1b[" not in text.getvalue()  # not a terminal: no escapes
+
+
+def test_the_ready_counts_of_a_run_spread_over_buckets() -> None:
+    idents = [Identity.generate() for _ in range(5)]
+    while bucket_of(3, idents[-1].peer_id, 3) != 0:  # (a reader finds the level in use by its bucket 0)
+        idents[-1] = Identity.generate()
+    idents.append(Identity.generate())
+    keys: dict[str, list[Envelope]] = {}
+    for ident in idents:
+        key = ready_key(RUN, 3, 3, bucket_of(3, ident.peer_id, 3))
+        keys.setdefault(key, []).append(Envelope.sign(ident, "ready", key, encode_payload("ready", dict(
+            peer_id=ident.peer_id, round=3, base_hash=A, spec_hash=B, done=True, eta=0.0)), time.time() + 60))
+    # 300 peers' heartbeats with target 8 suggest level 3 (per 32: 256 <= 300 < 512)
+    assert read_matching(FakeDHT(keys), RUN, 3, 300, 8) == {"ready": 6, "announced": 0}  # type: ignore[arg-type]
+    assert read_matching(FakeDHT(keys), RUN, 3, 5, 8) == {"ready": 0, "announced": 0}  # type: ignore[arg-type]

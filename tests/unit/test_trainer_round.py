@@ -28,16 +28,16 @@ class Recorder:
         self.announced: list[int] = []
         self.fail = fail
 
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
         self.calls.append(round_)
         if self.fail:
             raise RoundFailed("no group")
         return AverageResult(delta.clone(), ("me", "partner"), "cd" * 32)
 
-    def begin(self, round_: int, base_hash: str, delta: torch.Tensor) -> Finished:
+    def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> Finished:
         return begin_now(self, round_, base_hash, delta)
 
-    def announce(self, round_: int, base_hash: str | None, eta_s: float | None) -> None:
+    def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         self.announced.append(round_)
 
 
@@ -110,7 +110,7 @@ class Splitter(Recorder):
     """Round 1 fails for us while the members we did not fault may still complete it; round 2 we
     average alone while others were seen; round 3 with a partner."""
 
-    def average(self, round_: int, base_hash: str, delta: torch.Tensor) -> AverageResult:
+    def average(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> AverageResult:
         self.calls.append(round_)
         soon = time.monotonic() + 30
         if round_ == 1:
@@ -128,7 +128,7 @@ def test_after_a_void_or_alone_round_fork_choice_waits_for_how_the_others_ended_
     splitter = Splitter()
     t = Trainer(TrainerParts(spec, "me", corpus, splitter, MetricsWriter(None), state=hooks), eval_batch_count=1,
                 log=lambda _: None)
-    splitter.announce = lambda r, base, eta: hooks.calls.append(("announce", (r, base is not None)))  # type: ignore[method-assign]
+    splitter.announce = lambda r, base, eta, population=0: hooks.calls.append(("announce", (r, base is not None)))  # type: ignore[method-assign]
     t.outer.round = 1
     for _ in range(3):
         t.catch_up()
