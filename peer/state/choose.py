@@ -31,8 +31,10 @@ private, relayed) one vote per IP. The state with the most distinct votes wins; 
 one vote of its own. States our own history descends from (behind us) neither win nor vote for
 ours: a joiner completed no round with anyone, so nobody behind it is a partner (a dead peer's
 last heartbeat must not hold it on a lineage it trained alone). Ties: more such attesters, then the
-higher round, then the smaller hash. On one host (one IP)
-every state has one vote, so identities decide there.
+higher round, then more attesters contacted for it whether or not they could serve (a peer behind
+NAT cannot be dialed: the state a NATed peer's group made must not lose to our lone one on a
+hash), then the smaller hash. On one host (one IP) every state has one vote, so identities decide
+there.
 
 What an attacker with N identities on M prefixes can do (H: distinct prefixes among the honest
 attesters a joiner contacts; W: the weight of our lineage, ours plus the trusted peers on it):
@@ -43,7 +45,8 @@ attesters a joiner contacts; W: the weight of our lineage, ours plus the trusted
   then it moves us only if the earned weight behind its lineage exceeds W (or equals it with a
   later state, within the clock bound).
 - Joiner: it wins if M > H, or M == H and more of its identities served (or as many and a higher
-  round). Beyond that tie-break N buys nothing: identities on one prefix are one vote. It can delay
+  round, or more identities claiming it: a tie the smallest hash, which is as cheap to grind,
+  would give it anyway). Beyond that tie-break N buys nothing: identities on one prefix are one vote. It can delay
   a join (each contact may stall sync.py's ``CONTACT_TIMEOUT``; at most ``MAX_CONTACTS`` contacts).
   It cannot make a joiner take bytes other than the hash chosen (every piece is verified), a state
   holding NaN or Inf (refused, and never chosen again), or speak in an honest peer's name
@@ -318,7 +321,9 @@ def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[
     tally = {state: cast for state, cast in tally.items() if cast[0]}  # (held: ours always has its vote)
     if not tally:
         return Choice(None)
-    best = max(tally, key=lambda s: (len(tally[s][0]), len(tally[s][1]), s.round,
+    claimed = {state: len(set(plan.get(state, ())) | ({own.me} if state == own.state and own.held else set()))
+               for state in tally}
+    best = max(tally, key=lambda s: (len(tally[s][0]), len(tally[s][1]), s.round, claimed[s],
                                      [-b for b in bytes.fromhex(s.hash)]))
     if best == own.state and own.held:
         return Choice(None)

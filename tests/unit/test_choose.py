@@ -327,6 +327,25 @@ def test_a_joiner_is_not_held_on_a_round_it_trained_alone_by_a_heartbeat_behind_
     assert joiner([att("dead", H5)], {"dead": loop}, mine) is None  # and never back to H5
 
 
+def test_a_lone_state_loses_a_tie_to_a_group_state_whose_other_attester_is_behind_nat() -> None:
+    """We trained round 5 alone (J6); an open peer and a peer behind NAT made T6 together. The NATed
+    attester cannot be dialed (no vote), so T6 and J6 have one vote each: the state more peers
+    attest wins, whichever hash is smaller."""
+    for tag in ("M6", "Z6"):  # our lone state's hash below (M6) and above (Z6) theirs
+        j6, t6 = st(tag, 6, "H5"), st("T6", 6, "H5")
+        mine = own([H5, j6], "joiner")
+        found = [att("open", t6), att("natted", t6)]
+        plan = plan_contacts(found, mine, salt=b"secret")
+        votes = {"open": vote_key([HONEST_ADDRS[0]])}  # the NATed attester served nothing
+        target = choose_joiner(plan, mine, votes).target
+        assert target is not None and target.hash == t6.hash, tag
+    assert h("M6") < h("T6") < h("Z6")
+    lone = st("L6", 6, "H5")  # another lone state: one vote, one claim each, the smaller hash decides as before
+    plan = plan_contacts([att("open", lone)], own([H5, st("J6", 6, "H5")], "joiner"), salt=b"secret")
+    target = choose_joiner(plan, own([H5, st("J6", 6, "H5")], "joiner"), {"open": vote_key([HONEST_ADDRS[0]])}).target
+    assert (target is None) == (h("J6") < h("L6"))
+
+
 def test_contacts_are_bounded_and_spread_over_states() -> None:
     found = [att(f"p{i}", H5) for i in range(50)] + [att("q0", st("Q", 5, "x"))]
     plan = plan_contacts(found, FRESH, b"s")
