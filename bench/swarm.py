@@ -20,8 +20,10 @@ peer/sim/measure.py ``row``'s: states_per_round (distinct honest states per roun
 lineages (alive at the end), single_state_fraction (peer-rounds applied to the main lineage / all),
 discarded_fraction (completed, then thrown away), bytes per peer-round (data: parts, results, state
 pieces; control: everything else, the DHT included), DHT reads per peer-round, the hottest DHT node's
-bytes served per round, matchmaking seconds, all-reduce seconds over the bound of the bytes sent at
-the uplink rate, utilization, wall and virtual seconds and the run's trace_hash (same seed, same hash).
+bytes served per round, hot_ready_holder_bytes (the busiest holder of one round's ready records, in the
+worst round after the first: round 0's base has no population yet, so its records share one key),
+matchmaking seconds, all-reduce seconds over the bound of the bytes sent at the uplink rate,
+utilization, wall and virtual seconds and the run's trace_hash (same seed, same hash).
 
 ``--slow-member`` runs one group of 8 (100 Mbit/s, one member at 20 Mbit/s up and down, 8M values
 unless ``--numel``) twice in the same seed: with equal shares (the roles before uplink claims) and
@@ -55,7 +57,7 @@ JITTERS = (0.0, 3.0)
 SLOW = (0.0, 0.2)
 COLUMNS = ("peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
            "single_state_fraction", "discarded_fraction", "void_fraction", "data_bytes_per_peer_round",
-           "control_bytes_per_peer_round", "dht_reads_per_peer_round", "hot_holder_bytes_per_round",
+           "control_bytes_per_peer_round", "dht_reads_per_peer_round", "hot_holder_bytes_per_round", "hot_ready_holder_bytes",
            "matchmaking_s", "allreduce_over_bound", "allreduce_over_bw_bound", "utilization", "wall_s",
            "virtual_s")
 

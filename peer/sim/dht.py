@@ -42,6 +42,12 @@ def node_id(name: str) -> int:
     return int.from_bytes(hashlib.sha1(name.encode()).digest(), "big")
 
 
+def _ready_round(key: str) -> int | None:
+    """The round of a ready key (dht/records.py ``ready_key``), None for any other key."""
+    parts = key.split("/")
+    return int(parts[3]) if len(parts) >= 4 and parts[2] == "ready" and parts[3].isdigit() else None
+
+
 def key_id(key: str) -> bytes:
     """The DHT id of a record key, as hivemind computes it (SHA-1 of the msgpack'd key)."""
     return hashlib.sha1(msgpack.packb(key, use_bin_type=True)).digest()
@@ -148,6 +154,7 @@ class DHTWorld:
         self.nodes: dict[str, Node] = {}
         self.costs: dict[str, Costs] = {}
         self.served: Counter[str] = Counter()  # peer -> bytes its node returned to readers, over its restarts
+        self.served_ready: dict[int, Counter[str]] = {}  # round -> peer -> bytes of that round's ready records
         self._order: dict[str, list[Node]] = {}  # key -> nodes nearest first (recomputed when nodes change)
 
     def join(self, peer: str) -> None:
@@ -204,9 +211,12 @@ class DHTWorld:
         now = clock.wall()
         merged: dict[str, _Held] = {}
         costs.reads += 1
+        ready_round = _ready_round(key)
         for node in self.nearest(key, reader):
             for held in node.get(key, now):
                 self.served[node.peer] += held.nbytes
+                if ready_round is not None:
+                    self.served_ready.setdefault(ready_round, Counter())[node.peer] += held.nbytes
                 costs.read_bytes += held.nbytes
                 costs.verifies += 1  # hivemind validates every record it receives
                 best = merged.get(held.envelope.subkey)

@@ -175,6 +175,10 @@ def row(result: Result) -> dict[str, Any]:
         "control_bytes_per_peer_round": round(control / per),
         "dht_reads_per_peer_round": round(reads / per, 2),
         "hot_holder_bytes_per_round": round(max(result.dht.served.values(), default=0) / max(1, sc.rounds)),
+        # the busiest holder of one round's ready records, in the worst round after the first (the first
+        # has one key: its base has no population yet; peer/averaging/ready.py)
+        "hot_ready_holder_bytes": max((max(c.values()) for r, c in result.dht.served_ready.items() if r > 0),
+                                      default=0),
         "matchmaking_s": round(statistics.mean(mm), 3) if mm else None,
         "allreduce_over_bound": round(statistics.median(over), 3) if over else None,
         "allreduce_over_bw_bound": over_bandwidth_bound(result),

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from hivetrain.dht.records import bucket_of
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.sim.measure import row
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
@@ -123,7 +124,7 @@ def test_a_member_at_a_fifth_of_the_uplink_only_sends_once_its_rate_is_measured(
     assert len(states) == 1  # one group, one state, whatever the shares
 
 
-def test_seventy_two_peers_in_nine_groups_end_every_round_on_one_state() -> None:
+def test_seventy_two_peers_in_groups_of_eight_end_every_round_on_one_state() -> None:
     # ready over 1-3 s (most after the designees' first second), a fifth at 20 Mbit/s
     result = simulate(Scenario(peers=72, target=8, jitter_s=3.0, slow_fraction=0.2, rounds=3, seed=1))
     assert not result.stalled
@@ -131,8 +132,12 @@ def test_seventy_two_peers_in_nine_groups_end_every_round_on_one_state() -> None
         recs = [rounds_of(result, i)[r] for i in range(72)]
         assert not [rec for rec in recs if rec["void"]], [rec["why"] for rec in recs if rec["void"]][:3]
         assert len({rec["state_hash"] for rec in recs}) == 1  # one state for the whole run
-        assert len({tuple(sorted(rec["group"])) for rec in recs}) == 9  # in nine groups of eight
-        assert {rec["groups"] for rec in recs} == {9.0} and {rec["round_members"] for rec in recs} == {72.0}
+        groups = {tuple(sorted(rec["group"])) for rec in recs}
+        # round 0: nine groups of eight; then 2 ready buckets (its population, 72, is 2x4 groups of 8 or
+        # more), each partitioned into round(n / 8) groups: 9 or 10 in all
+        assert len(groups) == 9 if r == 0 else len(groups) in (9, 10)
+        assert sum(map(len, groups)) == 72 and all(5 <= len(g) <= 12 for g in groups), sorted(map(len, groups))
+        assert {rec["groups"] for rec in recs} == {float(len(groups))} and {rec["round_members"] for rec in recs} == {72.0}
 
 
 class KillGroup(KillAt):
@@ -160,3 +165,21 @@ def test_a_group_killed_in_the_cross_stage_is_gone_and_the_others_agree() -> Non
     assert len(completed) <= 1, round1  # whoever completed round 1 did so on one state
     round2 = [rounds_of(result, i)[2] for i in survivors]
     assert all(not rec["void"] for rec in round2) and len({rec["state_hash"] for rec in round2}) == 1, round2
+
+
+def test_from_its_second_round_a_run_spreads_its_ready_records_over_buckets_and_keeps_one_state() -> None:
+    # 32 peers, target 4: round 0's base has no population (one ready key); its means come from 32
+    # peers, so rounds 1 and 2 have 2 buckets of about 16 peers, each partitioned into groups of 4
+    result = simulate(Scenario(peers=32, target=4, jitter_s=1.0, rounds=3, seed=4))
+    assert not result.stalled
+    keys = {key.split("/ready/")[1] for node in result.dht.nodes.values() for key in node.storage if "/ready/" in key}
+    assert {k for k in keys if k.startswith(("1", "2"))} == {"1/1/0", "1/1/1", "2/1/0", "2/1/1"}, keys
+    for r in range(3):
+        recs = [rounds_of(result, i)[r] for i in range(32)]
+        assert not [rec for rec in recs if rec["void"]], [rec["why"] for rec in recs if rec["void"]][:3]
+        assert len({rec["state_hash"] for rec in recs}) == 1  # one state for the whole run, every round
+        assert {rec["round_members"] for rec in recs} == {32.0}
+        groups = {tuple(sorted(rec["group"])) for rec in recs}
+        assert sum(map(len, groups)) == 32 and all(len(g) >= 2 for g in groups)
+        if r > 0:  # no group spans two buckets
+            assert all(len({bucket_of(r, p, 1) for p in g}) == 1 for g in groups)
