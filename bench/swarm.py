@@ -112,8 +112,9 @@ def run_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     print("|" + "---|" * len(COLUMNS), flush=True)
     rows = []
     for n, target, jitter, slow, rounds in configs:
+        expected = (("expected_peers", n),) if args.expected else ()
         result = simulate(Scenario(peers=n, target=target, jitter_s=jitter, slow_fraction=slow, rounds=rounds,
-                                   seed=args.seed, numel=args.numel), progress=Progress())
+                                   seed=args.seed, numel=args.numel, spec=expected), progress=Progress())
         r = row(result)
         rows.append(r)
         print(f"| {format_row(r)} |" + (" (stalled)" if r["stalled"] else ""), flush=True)
@@ -241,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slow", type=float, default=0.0, help="fraction of peers at 20 Mbit/s (with --peers)")
     ap.add_argument("--numel", type=int, default=4096,
                     help="values in the run's vector (default 4096: the links idle; 1M and up: bandwidth shows)")
+    ap.add_argument("--expected", action="store_true",
+                    help="the run spec expects its N peers (expected_peers): round 0 starts in ready buckets")
     ap.add_argument("--search", action="store_true", help="random attack schedules with invariants")
     ap.add_argument("--budget", type=float, default=60.0, help="wall seconds for --search (default 60)")
     ap.add_argument("--calibrate", action="store_true", help="bench.utilization's three peers, simulated")

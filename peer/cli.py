@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--cross-groups", action=argparse.BooleanOptionalAction, default=None,
                       help="average the groups' results across groups, so every peer of a round ends on one state "
                            "(default on; off: each group applies its own and fork choice keeps the heaviest)")
+    spec.add_argument("--expected-peers", type=int,
+                      help="peers you expect in the run's first round: above 8x the target group size, their ready "
+                           "records are spread over several DHT keys from round 0 on (default 0: a few; later "
+                           "rounds size this by themselves)")
     spec.add_argument("--max-per-prefix", type=int,
                       help="Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group (default 2; 0: off)")
     spec.add_argument("--target-group-size", type=int,
@@ -236,7 +240,7 @@ def _stop_on_sigterm() -> None:
 SPEC_FLAGS = ("sync_every", "inner_lr", "inner_warmup", "inner_schedule", "inner_total_steps", "outer_lr",
               "outer_momentum", "outer_nesterov", "compression", "sparse_k", "target_group_size",
               "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
-              "error_feedback", "audit", "cross_groups", "max_per_prefix", "overlap", "eval_every", "piece_values")
+              "error_feedback", "audit", "cross_groups", "expected_peers", "max_per_prefix", "overlap", "eval_every", "piece_values")
 
 
 def _check_start_flags(args: argparse.Namespace) -> None:

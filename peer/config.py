@@ -28,7 +28,7 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
-SPEC_VERSION = 8  # 8: cross_groups (one state per round across groups), protocol v5 (uplink claims); 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 9  # 9: expected_peers (round 0's ready buckets); 8: cross_groups (one state per round across groups), protocol v5 (uplink claims); 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:
@@ -201,6 +201,9 @@ class RunSpec:
     # sub-piece, by designees derived from the ready board (peer/averaging/cross.py); false: each group
     # applies its own result (several groups fork, fork choice keeps the heaviest)
     cross_groups: bool = True
+    # peers the run expects in its first round (0: a few): round 0's ready records are spread over buckets
+    # for that many (peer/averaging/ready.py); later rounds follow their base state's population
+    expected_peers: int = 0
     min_round_s: float = 0.2  # seconds: no round is faster; bounds the round a heartbeat may claim (fork choice)
     overlap: str = "none"  # "none": synchronous rounds; "delayed" / "eager": round r's all-reduce runs during
     # round r+1's inner steps and is applied one round late; eager starts those inner steps from the outer
@@ -273,6 +276,7 @@ class RunSpec:
             raise ConfigError("spec.audit must be true or false")
         if not isinstance(self.cross_groups, bool):
             raise ConfigError("spec.cross_groups must be true or false")
+        _check_int("spec", "expected_peers", self.expected_peers, 0, 1 << 20)
         _check_range("spec", "min_round_s", self.min_round_s, 0.01, 3600.0)
         if self.aggregation not in ("robust", "mean"):
             raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")

@@ -128,10 +128,15 @@ class P2PAverager:
     def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> _InFlight:
         return _InFlight(self.runner.submit(self.average_async(round_, base_hash, delta, population)), self.budget)
 
+    def population(self, population: int) -> int:
+        """A base state's population, or, for one without (round 0's), the run's ``expected_peers``."""
+        return population or self.ctx.spec.expected_peers
+
     def level(self, population: int) -> int:
         """The round's ready buckets (2^level) at a base state of ``population`` (ready.level); one
         without the cross-group stage, whose groups need not agree across buckets."""
-        return ready_level(population, self.ctx.spec.target_group_size) if self.ctx.spec.cross_groups else 0
+        spec = self.ctx.spec
+        return ready_level(self.population(population), spec.target_group_size) if spec.cross_groups else 0
 
     def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         """Publishes our announcement for ``round_`` in the background (best effort: a peer that is
@@ -213,8 +218,17 @@ class P2PAverager:
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges), alone,
                              clock.now() + self._settle_s if alone else 0.0,
-                             tuple(sorted(mm.ready_here - set(order))) if groups > 1 else (),
-                             grown(population, members, ctx.spec.target_group_size) if desk is not None else 0)
+                             self._companions(mm, desk, order) if groups > 1 else (),
+                             grown(self.population(population), members, ctx.spec.target_group_size) if desk is not None else 0)
+
+    @staticmethod
+    def _companions(mm: Matchmaking, desk: Desk | None, order: tuple[str, ...]) -> tuple[str, ...]:
+        """The peers beyond our group whose groups' results went into our round's means, as far as
+        we know: those ready at our base on our bucket, and on every bucket when the plan read them
+        (trust is recorded for them: in the next round, with buckets drawn again, they are no
+        newcomers to each other, and every member's caps keep the same group)."""
+        everyone = mm.ready_here | (desk.plan.ready if desk is not None and desk.plan is not None else frozenset())
+        return tuple(sorted(everyone - set(order)))
 
     def _out(self, mm: Matchmaking, group: tuple[str, ...]) -> None:
         """Our round failed: we say so on the board (our ready record again, ``out``, with the group

@@ -107,6 +107,7 @@ class Plan:
     units: int  # shards of the round (U)
     numel: int
     t0: float = 0.0  # unix time of the earliest ready record at the base: the round's cutoff counts from it
+    ready: frozenset[str] = frozenset()  # every peer ready at the base when the plan was read (all buckets)
 
     @property
     def subs(self) -> int:
@@ -140,7 +141,8 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
     # nobody dials a closed peer; if every early peer is closed, each can still be its own designee
     chosen = {r.peer_id: r.up for r in early if not r.closed} or {r.peer_id: r.up for r in early}
     weights = rates.weights(sorted(chosen), chosen)  # (unknown: the median; at most 4x it)
-    return Plan(round_, base, tuple(sorted(chosen)[:MAX_DESIGNEES]), weights, units_, numel, t0)
+    return Plan(round_, base, tuple(sorted(chosen)[:MAX_DESIGNEES]), weights, units_, numel, t0,
+                frozenset(sorted({r.peer_id for r in ready})[:MAX_DESIGNEES]))
 
 
 async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_: int, numel: int,

@@ -167,19 +167,24 @@ def test_a_group_killed_in_the_cross_stage_is_gone_and_the_others_agree() -> Non
     assert all(not rec["void"] for rec in round2) and len({rec["state_hash"] for rec in round2}) == 1, round2
 
 
-def test_from_its_second_round_a_run_spreads_its_ready_records_over_buckets_and_keeps_one_state() -> None:
-    # 32 peers, target 4: round 0's base has no population (one ready key); its means come from 32
-    # peers, so rounds 1 and 2 have 2 buckets of about 16 peers, each partitioned into groups of 4
-    result = simulate(Scenario(peers=32, target=4, jitter_s=1.0, rounds=3, seed=4))
+@pytest.mark.parametrize("expected", [0, 32])
+def test_a_run_spreads_its_ready_records_over_buckets_and_keeps_one_state(expected: int) -> None:
+    # 32 peers, target 4: round 0's base has no population (one ready key, unless the spec expects 32
+    # peers); its means come from 32 peers, so rounds 1 and 2 have 2 buckets of about 16 peers, each
+    # partitioned into groups of 4
+    result = simulate(Scenario(peers=32, target=4, jitter_s=1.0, rounds=3, seed=4, spec=(("expected_peers", expected),)))
     assert not result.stalled
     keys = {key.split("/ready/")[1] for node in result.dht.nodes.values() for key in node.storage if "/ready/" in key}
     assert {k for k in keys if k.startswith(("1", "2"))} == {"1/1/0", "1/1/1", "2/1/0", "2/1/1"}, keys
+    assert {k for k in keys if k.startswith("0")} == ({"0/1/0", "0/1/1"} if expected else {"0"}), keys
     for r in range(3):
         recs = [rounds_of(result, i)[r] for i in range(32)]
         assert not [rec for rec in recs if rec["void"]], [rec["why"] for rec in recs if rec["void"]][:3]
         assert len({rec["state_hash"] for rec in recs}) == 1  # one state for the whole run, every round
         assert {rec["round_members"] for rec in recs} == {32.0}
         groups = {tuple(sorted(rec["group"])) for rec in recs}
-        assert sum(map(len, groups)) == 32 and all(len(g) >= 2 for g in groups)
-        if r > 0:  # no group spans two buckets
+        # groups of 3 to 5: peers grouped in one round's bucket trust each other in the next, whichever
+        # bucket they met in (no member's newcomer cap splits a derived group)
+        assert sum(map(len, groups)) == 32 and all(3 <= len(g) <= 5 for g in groups), sorted(map(len, groups))
+        if r > 0 or expected:  # no group spans two buckets
             assert all(len({bucket_of(r, p, 1) for p in g}) == 1 for g in groups)

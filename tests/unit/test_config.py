@@ -88,6 +88,8 @@ def test_from_preset_overrides_and_unknown_preset() -> None:
     ("dataset", dict(dataset="files:xyz")),
     ("version", dict(version=1)),  # an older client's spec
     ("init_seed", dict(init_seed=-1)),
+    ("expected_peers", dict(expected_peers=-1)),
+    ("expected_peers", dict(expected_peers=True)),
 ])
 def test_run_spec_errors_name_the_field(field: str, kwargs: dict[str, Any]) -> None:
     kwargs.setdefault("name", "r1")
