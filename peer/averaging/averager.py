@@ -128,7 +128,7 @@ class P2PAverager:
     def begin(self, round_: int, base_hash: str, delta: torch.Tensor, population: int = 0) -> _InFlight:
         return _InFlight(self.runner.submit(self.average_async(round_, base_hash, delta, population)), self.budget)
 
-    def population(self, population: int) -> int:
+    def base_population(self, population: int) -> int:
         """A base state's population, or, for one without (round 0's), the run's ``expected_peers``."""
         return population or self.ctx.spec.expected_peers
 
@@ -136,7 +136,7 @@ class P2PAverager:
         """The round's ready buckets (2^level) at a base state of ``population`` (ready.level); one
         without the cross-group stage, whose groups need not agree across buckets."""
         spec = self.ctx.spec
-        return ready_level(self.population(population), spec.target_group_size) if spec.cross_groups else 0
+        return ready_level(self.base_population(population), spec.target_group_size) if spec.cross_groups else 0
 
     def announce(self, round_: int, base_hash: str | None, eta_s: float | None, population: int = 0) -> None:
         """Publishes our announcement for ``round_`` in the background (best effort: a peer that is
@@ -219,7 +219,7 @@ class P2PAverager:
                              tuple(outcome.void_ranges), alone,
                              clock.now() + self._settle_s if alone else 0.0,
                              self._companions(mm, desk, order) if groups > 1 else (),
-                             grown(self.population(population), members, ctx.spec.target_group_size) if desk is not None else 0)
+                             grown(self.base_population(population), members, ctx.spec.target_group_size) if desk is not None else 0)
 
     @staticmethod
     def _companions(mm: Matchmaking, desk: Desk | None, order: tuple[str, ...]) -> tuple[str, ...]:

@@ -22,8 +22,9 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    again with ``out`` and their group: a peer two of them name is out too). It waits at most
    LONG_WAIT x ``allreduce_timeout`` past the first arrival (a group that died), then computes the
    weighted mean of the groups' sub-pieces in a fixed order (by group hash) and encodes it once:
-   one set of bytes, signed, sent back to every reducer that sent it (``cross_out``). A group that arrives later is refused: it
-   applies its own values (the run forks there; fork choice re-syncs it at the next boundary).
+   one set of bytes, signed, sent back to every reducer that sent it (``cross_out``). A group that
+   arrives later is refused: it applies its own values (the run forks there; fork choice re-syncs
+   it at the next boundary).
 3. Each reducer forwards the signed sub-pieces of its shards to its members. Every member checks the
    signature against the designees it derived itself and applies exactly those bytes, so every
    peer that completes the round holds the same state. A member that misses one voids the round

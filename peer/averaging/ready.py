@@ -58,7 +58,6 @@ def level(population: int, target: int) -> int:
     return level_
 
 
-
 @dataclass(frozen=True)
 class Ready:
     peer_id: str  # bound to the signer's key

@@ -18,8 +18,8 @@ keeps its parent's): every peer at a base derives the round's ready buckets from
 completed round, ``VOID_LINK`` for a void round, ``ZERO`` for the initial state. So two states
 with equal bytes but different histories have different hashes, and a heartbeat's (hash, parent)
 links states into lineages (peer/state/choose.py). The manifest a joiner downloads is
-``parent | link | population u64 LE | piece hashes``: with it the joiner recomputes the hash, then checks every piece on
-its own, from any donor, as soon as it arrives.
+``parent | link | population u64 LE | piece hashes``: with it the joiner recomputes the hash, then
+checks every piece on its own, from any donor, as soon as it arrives.
 """
 
 from __future__ import annotations
