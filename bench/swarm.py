@@ -22,7 +22,8 @@ discarded_fraction (completed, then thrown away), bytes per peer-round (data: pa
 pieces; control: everything else, the DHT included), DHT reads per peer-round, the hottest DHT node's
 bytes served per round, hot_ready_holder_bytes (the busiest holder of one round's ready records, in the
 worst round after the first: round 0's base has no population yet, so its records share one key),
-matchmaking seconds, all-reduce seconds over the bound of the bytes sent at the uplink rate,
+heartbeat bytes per peer-round (what fork choice and the keeper read) and the busiest heartbeat
+holder's bytes per round, matchmaking seconds, all-reduce seconds over the bound of the bytes sent at the uplink rate,
 utilization, wall and virtual seconds and the run's trace_hash (same seed, same hash).
 
 ``--slow-member`` runs one group of 8 (100 Mbit/s, one member at 20 Mbit/s up and down, 8M values
@@ -58,7 +59,7 @@ SLOW = (0.0, 0.2)
 COLUMNS = ("peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
            "single_state_fraction", "discarded_fraction", "void_fraction", "data_bytes_per_peer_round",
            "control_bytes_per_peer_round", "dht_reads_per_peer_round", "hot_holder_bytes_per_round", "hot_ready_holder_bytes",
-           "matchmaking_s", "allreduce_over_bound", "allreduce_over_bw_bound", "utilization", "wall_s",
+           "heartbeat_bytes_per_peer_round", "hot_heartbeat_holder_bytes_per_round", "matchmaking_s", "allreduce_over_bound", "allreduce_over_bw_bound", "utilization", "wall_s",
            "virtual_s")
 
 
@@ -234,7 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="two small rows (CI)")
     ap.add_argument("--full", action="store_true", help="every combination, 1000 peers included (hours)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="first seed (--search: from 1000000 on, the large family: 24-40 peers, target 2, buckets)")
     ap.add_argument("--peers", type=int, default=0, help="run one configuration with this many peers")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 4; half above 128 peers)")
     ap.add_argument("--target", type=int, default=4, help="target group size (with --peers)")

@@ -143,8 +143,23 @@ def spec_key(run_key: str) -> str:
     return f"hivetrain/{run_key}/spec"
 
 
-def heartbeat_key(run_key: str) -> str:
-    return f"hivetrain/{run_key}/peers"
+MAX_HEARTBEAT_LEVEL = 8  # a run's heartbeats are spread over at most 2^8 keys (peer/state/heartbeats.py)
+
+
+def heartbeat_key(run_key: str, level: int = 0, bucket: int = 0) -> str:
+    """The key of bucket ``bucket`` of 2^level of the run's heartbeats (one key at level 0)."""
+    if level == 0:
+        return f"hivetrain/{run_key}/peers"
+    return f"hivetrain/{run_key}/peers/{level}/{bucket}"
+
+
+def heartbeat_bucket(peer_id: str, level: int) -> int:
+    """The bucket of ``peer_id``'s heartbeats when the run has 2^level of them: the top ``level``
+    bits of a hash of the peer id, the same in every round (a heartbeat outlives its round)."""
+    if level == 0:
+        return 0
+    h = hashlib.sha256(f"hivetrain-heartbeat/{peer_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> (64 - level)
 
 
 MAX_READY_LEVEL = 12  # a round's ready records are spread over at most 2^12 keys (peer/averaging/ready.py)

@@ -18,11 +18,13 @@ from .errors import InvalidRecord
 from .identity import RUN_KEY_RE
 from .records import (
     BOUND_KINDS,
+    MAX_HEARTBEAT_LEVEL,
     MAX_READY_LEVEL,
     MAX_RECORD_BYTES,
     Envelope,
     bucket_of,
     decode_bound,
+    heartbeat_bucket,
     strict_unpack,
 )
 
@@ -55,7 +57,7 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
     expected = {"spec": ("spec",), "hb": ("peers",), "ready": ("ready", "<round>")}[envelope.kind]
     numbers = parts[3:]
     if parts[2] != expected[0] or not all(n.isdigit() and len(n) <= 10 for n in numbers) or \
-            len(numbers) not in ((1, 3) if envelope.kind == "ready" else (0,)):
+            len(numbers) not in {"ready": (1, 3), "hb": (0, 2)}.get(envelope.kind, (0,)):
         raise InvalidRecord(f"a {envelope.kind} record may not be stored under {envelope.key!r}")
     if envelope.kind == "spec" and parts[1].rsplit(".", 1)[1] != envelope.subkey:
         raise InvalidRecord("run spec not signed by the run owner")
@@ -63,7 +65,16 @@ def check_record(key_id: bytes, subkey_bytes: bytes, value_bytes: bytes, expirat
         fields = decode_bound(envelope.kind, envelope)  # schema, and the named peer is the signer
         if envelope.kind == "ready":
             _check_bucket(fields, [int(n) for n in numbers])
+        elif numbers:
+            _check_heartbeat_bucket(fields, [int(n) for n in numbers])
     return envelope
+
+
+def _check_heartbeat_bucket(fields: dict[str, object], numbers: list[int]) -> None:
+    """A heartbeat under a bucket key sits in its peer's bucket (peer/state/heartbeats.py)."""
+    level, bucket = numbers
+    if not 1 <= level <= MAX_HEARTBEAT_LEVEL or heartbeat_bucket(str(fields["peer_id"]), level) != bucket:
+        raise InvalidRecord("a heartbeat stored outside its peer's bucket")
 
 
 def _check_bucket(fields: dict[str, object], numbers: list[int]) -> None:

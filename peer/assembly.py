@@ -25,7 +25,12 @@ from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net import dialback
 from hivetrain.peer.net.link import Link
 from hivetrain.peer.reach import Reachability
-from hivetrain.peer.state.heartbeats import HeartbeatPublisher, attestation_fields, heartbeat_ttl
+from hivetrain.peer.state.heartbeats import (
+    HeartbeatPublisher,
+    attestation_fields,
+    heartbeat_level,
+    heartbeat_ttl,
+)
 from hivetrain.peer.state.keeper import StateKeeper
 from hivetrain.peer.state.serve import StateService
 from hivetrain.peer.state.snapshot import Snapshot
@@ -63,11 +68,11 @@ class Peer:
         ef = ErrorFeedback(numel) if spec.carries_residual else None
         ctx = PeerContext(spec, numel, spec.codec(), link, identity, self.trust, Bans(), seams.behaviour, ef)
         self.averager = P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
-        self.heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say)
+        self.heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say, heartbeat_level(spec))
         self.reachability = Reachability(link, dht, say, self.reached)
         self.service = StateService(spec.spec_hash().hex(), seams.behaviour)
         dht.run(link.serve(self.service.protocol, self.service.server), timeout=10)
-        self.sync = StateSync(dht, link, self.service, run_key, numel, seams.rng)
+        self.sync = StateSync(dht, link, self.service, run_key, numel, seams.rng, heartbeat_level(spec))
         self.keeper = StateKeeper(self.sync, self.trust, seams.save, timeout=spec.allreduce_timeout * 5,
                                   min_round_s=spec.min_round_s, log=say)
         self.keeper.announce = lambda round_, base: self.averager.announce(round_, base, None)

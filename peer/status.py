@@ -27,13 +27,13 @@ from typing import Any, TextIO
 from hivetrain.dht.errors import DHTError, InvalidRecord
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.dht.records import MAX_READY_LEVEL, decode_bound, heartbeat_key, ready_key
+from hivetrain.dht.records import MAX_READY_LEVEL, decode_bound, heartbeat_bucket, heartbeat_key, ready_key
 from hivetrain.peer.averaging.ready import level
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
 from hivetrain.peer.errors import ConfigError, PeerError
 from hivetrain.peer.runspec import fetch_spec
-from hivetrain.peer.state.heartbeats import heartbeat_ttl
+from hivetrain.peer.state.heartbeats import heartbeat_level, heartbeat_ttl
 
 TREND = 32  # held-out losses remembered across refreshes (--watch)
 MAX_ROWS = 40  # peers printed in the table (the JSON has them all: a DHT read holds at most 1024)
@@ -53,15 +53,19 @@ class PeerRow:
 
 
 def read_peers(dht: DHT, run_key: str, spec: RunSpec, now: float | None = None) -> list[PeerRow]:
-    """The run's heartbeats, one row per peer (those that break the schema or speak for another
-    peer are skipped), most advanced first."""
+    """The run's heartbeats, one row per peer (those that break the schema, speak for another peer
+    or sit outside their bucket are skipped), most advanced first. A run whose spec expects many
+    peers has 2^L heartbeat keys (peer/state/heartbeats.py): all are read."""
     now = time.time() if now is None else now
     ttl = heartbeat_ttl(spec)
     rows: dict[str, PeerRow] = {}
-    for envelope in dht.get(heartbeat_key(run_key)):
+    level = heartbeat_level(spec)
+    for bucket, envelope in ((b, e) for b in range(1 << level) for e in dht.get(heartbeat_key(run_key, level, b))):
         try:
             hb = decode_bound("hb", envelope)
         except InvalidRecord:
+            continue
+        if heartbeat_bucket(hb["peer_id"], level) != bucket:
             continue
         seen = min(ttl, max(0.0, ttl - (envelope.expiration - now)))
         row = PeerRow(hb["peer_id"], hb["round"], hb["state_hash"], hb["throughput"], hb.get("reach", "unknown"),

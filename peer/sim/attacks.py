@@ -48,7 +48,7 @@ from hivetrain.peer.net import dialback
 from hivetrain.peer.net.link import Server, request
 from hivetrain.peer.net.wire import ZERO, Code, encode_header, reason
 from hivetrain.peer.sim.dht import Costs
-from hivetrain.peer.state.heartbeats import heartbeat_envelope
+from hivetrain.peer.state.heartbeats import heartbeat_envelope, heartbeat_level
 from hivetrain.peer.state.serve import MAX_PER_REQUESTER
 from hivetrain.peer.state.serve import protocol_name as state_protocol
 
@@ -134,12 +134,13 @@ async def board(swarm: Swarm, spy: SimPeer, round_: int) -> list[Ready]:
 async def heartbeats(swarm: Swarm, spy: SimPeer) -> list[dict[str, Any]]:
     from hivetrain.dht.records import decode_bound
 
-    out = []
-    for envelope in await swarm.dht.get(client(swarm, spy), heartbeat_key(swarm.run_key)):
-        try:
-            out.append(decode_bound("hb", envelope))
-        except Exception:
-            continue
+    out, level = [], heartbeat_level(swarm.spec)
+    for bucket in range(1 << level):
+        for envelope in await swarm.dht.get(client(swarm, spy), heartbeat_key(swarm.run_key, level, bucket)):
+            try:
+                out.append(decode_bound("hb", envelope))
+            except Exception:
+                continue
     return out
 
 
@@ -646,7 +647,8 @@ class ForgedHeartbeats(Attack):
                 forged = hashlib.sha256(f"forged/{best['state_hash']}".encode()).hexdigest()
                 for j, x in enumerate(attackers):
                     ahead = 2 if j % 2 else 1000
-                    envelope = heartbeat_envelope(x.identity, swarm.run_key, 120.0, round=best["round"] + ahead,
+                    envelope = heartbeat_envelope(x.identity, swarm.run_key, 120.0, level=heartbeat_level(swarm.spec),
+                                                  round=best["round"] + ahead,
                                                   state_hash=forged, parent=best["state_hash"], throughput=1e6,
                                                   train_loss=None, eval_loss=None, reach="direct")
                     await swarm.dht.store(client(swarm, x), envelope)

@@ -155,6 +155,8 @@ class DHTWorld:
         self.costs: dict[str, Costs] = {}
         self.served: Counter[str] = Counter()  # peer -> bytes its node returned to readers, over its restarts
         self.served_ready: dict[int, Counter[str]] = {}  # round -> peer -> bytes of that round's ready records
+        self.served_heartbeats: Counter[str] = Counter()  # peer -> bytes of heartbeats its node returned
+        self.heartbeat_read_bytes = 0  # bytes of heartbeats returned to all readers
         self._order: dict[str, list[Node]] = {}  # key -> nodes nearest first (recomputed when nodes change)
 
     def join(self, peer: str) -> None:
@@ -212,11 +214,15 @@ class DHTWorld:
         merged: dict[str, _Held] = {}
         costs.reads += 1
         ready_round = _ready_round(key)
+        heartbeats = key.split("/")[2:3] == ["peers"]  # dht/records.py ``heartbeat_key``, any bucket
         for node in self.nearest(key, reader):
             for held in node.get(key, now):
                 self.served[node.peer] += held.nbytes
                 if ready_round is not None:
                     self.served_ready.setdefault(ready_round, Counter())[node.peer] += held.nbytes
+                if heartbeats:
+                    self.served_heartbeats[node.peer] += held.nbytes
+                    self.heartbeat_read_bytes += held.nbytes
                 costs.read_bytes += held.nbytes
                 costs.verifies += 1  # hivemind validates every record it receives
                 best = merged.get(held.envelope.subkey)

@@ -179,6 +179,11 @@ def row(result: Result) -> dict[str, Any]:
         # has one key: its base has no population yet; peer/averaging/ready.py)
         "hot_ready_holder_bytes": max((max(c.values()) for r, c in result.dht.served_ready.items() if r > 0),
                                       default=0),
+        # heartbeats: what fork choice and the keeper read of them (peer/state/heartbeats.py), and the
+        # busiest holder of heartbeat keys
+        "heartbeat_bytes_per_peer_round": round(result.dht.heartbeat_read_bytes / per),
+        "hot_heartbeat_holder_bytes_per_round": round(max(result.dht.served_heartbeats.values(), default=0)
+                                                      / max(1, sc.rounds)),
         "matchmaking_s": round(statistics.mean(mm), 3) if mm else None,
         "allreduce_over_bound": round(statistics.median(over), 3) if over else None,
         "allreduce_over_bw_bound": over_bandwidth_bound(result),

@@ -20,7 +20,7 @@ from hivetrain.peer.errors import PeerError
 from hivetrain.peer.net.dialback import REACH_WORDS
 from hivetrain.peer.net.wire import ZERO
 from hivetrain.peer.state.choose import Clock, Own, State
-from hivetrain.peer.state.heartbeats import aread_heartbeats, attestations
+from hivetrain.peer.state.heartbeats import aread_heartbeats, attestations, buckets_of
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.state.sync import PoisonedState, StateSync, StateSyncFailed
 from hivetrain.peer.trust import Trust
@@ -125,11 +125,13 @@ class StateKeeper:
         """Reads the run's heartbeats until those of ``peers`` that attest a state past ``round_`` are
         ``enough``, or ``until`` (``clock.now()``) passes; returns them."""
         moved: set[str] = set()
+        level = self.sync.heartbeat_level
+        buckets = buckets_of(peers, level)  # theirs only
 
         async def watch() -> None:
             while True:
                 try:
-                    found = attestations(await aread_heartbeats(self.sync.dht, self.sync.run_key))
+                    found = attestations(await aread_heartbeats(self.sync.dht, self.sync.run_key, level, buckets))
                 except (PeerError, DHTError, TimeoutError):  # a slow read: ask again until the deadline
                     found = []
                 moved.update(a.peer for a in found if a.peer in peers and a.state.round > round_)
@@ -161,21 +163,24 @@ class StateKeeper:
         return sorted(waited - self._wait_past(round_, waited, until, enough))
 
     def peers_seen(self) -> int | None:
-        """Peers whose heartbeats the last fork choice read (ours included; None: none read yet)."""
-        return sum(self.sync.reach.values()) if self.sync.reach else None
+        """Peers whose heartbeats the last fork choice read (ours included; None: none read yet), or in
+        a bucketed run, as many as its sample of the buckets stands for."""
+        return round(sum(self.sync.reach.values()) / self.sync.sampled) if self.sync.reach else None
 
     def wait_for_peers(self, count: int, timeout: float) -> int:
         """Waits until ``count`` peers (this one included) announce themselves, at most ``timeout``
         seconds; returns how many were seen. Counts libp2p identities whose heartbeats are bound
         to them: one identity is one peer, but identities are free, so this is a convenience for
-        friends starting a run together, not a guarantee that ``count`` independent peers exist."""
+        friends starting a run together, not a guarantee that ``count`` independent peers exist.
+        Reads every heartbeat bucket: this is a run's start, not every round."""
         deadline = clock.now() + timeout
         me = self.sync.dht.peer_id
 
         async def watch() -> None:
             while True:
                 try:
-                    self.present = {hb["peer_id"] for hb in await aread_heartbeats(self.sync.dht, self.sync.run_key)}
+                    found = await aread_heartbeats(self.sync.dht, self.sync.run_key, self.sync.heartbeat_level)
+                    self.present = {hb["peer_id"] for hb in found}
                     self.present.discard(me)
                 except (PeerError, DHTError, TimeoutError):  # a slow read: ask again until the deadline
                     pass

@@ -40,7 +40,7 @@ from hivetrain.peer.state.choose import (
     plan_contacts,
     vote_key,
 )
-from hivetrain.peer.state.heartbeats import attestations, reach_mix, read_heartbeats
+from hivetrain.peer.state.heartbeats import attestations, reach_mix, read_heartbeats, sample_buckets
 from hivetrain.peer.state.serve import StateService
 from hivetrain.peer.state.snapshot import (
     PIECE_SIZE,
@@ -84,8 +84,10 @@ class StateSync:
     ``rng``: this peer's randomness (a joiner's secret sample, the donor order); None: the OS's."""
 
     def __init__(self, dht: DHTFacade, link: Link, service: StateService, run_key: str, numel: int,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, heartbeat_level: int = 0):
         self.dht, self.link, self.service, self.run_key, self.numel = dht, link, service, run_key, numel
+        self.heartbeat_level = heartbeat_level  # the run's (peer/state/heartbeats.py): fork choice reads a sample
+        self.sampled = 1.0  # the share of the heartbeat buckets the last fork choice read
         self.spec_hash = service.run
         self.rng = rng or random.Random(os.urandom(16))
         self._salt = self.rng.randbytes(16)  # a joiner's secret: which attesters of a state it samples
@@ -100,10 +102,13 @@ class StateSync:
     # ---- choosing (training thread) --------------------------------------------------------------
 
     def check(self, own: Own, weights: Mapping[str, float], clock: Clock, exclude: Collection[str] = ()) -> Choice:
-        """Fork choice over the run's heartbeats (training thread): the established rule if
-        ``weights`` (earned trust) has anyone, else the joiner's, after contacting attesters.
+        """Fork choice over the run's heartbeats (training thread; in a bucketed run, those of a random
+        sample of the buckets, which holds each lineage's attesters in proportion): the established rule
+        if ``weights`` (earned trust) has anyone, else the joiner's, after contacting attesters.
         Raises DHTError or PeerError if the heartbeats cannot be read."""
-        heartbeats = read_heartbeats(self.dht, self.run_key)
+        buckets = sample_buckets(self.heartbeat_level, self.rng)
+        heartbeats = read_heartbeats(self.dht, self.run_key, self.heartbeat_level, buckets)
+        self.sampled = len(buckets) / (1 << self.heartbeat_level)
         self.reach = reach_mix(heartbeats)
         found = attestations(heartbeats)
         if weights:

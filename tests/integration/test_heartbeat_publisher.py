@@ -15,7 +15,7 @@ import pytest
 
 from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.dht.records import Envelope, encode_payload, heartbeat_key
+from hivetrain.dht.records import Envelope, encode_payload, heartbeat_bucket, heartbeat_key
 from hivetrain.peer.state.heartbeats import HeartbeatPublisher, read_heartbeats
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,3 +99,20 @@ def test_a_heartbeat_naming_another_peer_is_not_stored_and_not_read(dht: DHT) ->
     assert dht.store(forged) is False  # our validator refuses it: not stored
     HeartbeatPublisher(dht, dht.identity, run_key, 120.0, lambda w: None)(**_fields(dht, 3))
     _wait(lambda: [(h["peer_id"], h["round"]) for h in read_heartbeats(dht, run_key)] == [(dht.peer_id, 3)])
+
+
+def test_a_bucketed_heartbeat_is_stored_under_its_bucket_only(dht: DHT) -> None:
+    # a run whose spec expects many peers: heartbeats under 2^3 keys; the real DHT node's validator
+    # stores ours under our bucket and refuses it under another
+    run_key = make_run_key("hb", Identity.generate().public_key)
+    publisher = HeartbeatPublisher(dht, dht.identity, run_key, 120.0, lambda w: None, level=3)
+    publisher(**_fields(dht, 4))
+    mine = heartbeat_bucket(dht.peer_id, 3)
+    _wait(lambda: [h["round"] for h in read_heartbeats(dht, run_key, 3, [mine])] == [4])
+    assert read_heartbeats(dht, run_key) == []  # not under the run's one key
+    assert [h["peer_id"] for h in read_heartbeats(dht, run_key, 3)] == [dht.peer_id]  # every bucket read
+    ours = dht.get(heartbeat_key(run_key, 3, mine))[0]
+    elsewhere = Envelope.sign(dht.identity, "hb", heartbeat_key(run_key, 3, (mine + 1) % 8), ours.payload,
+                              ours.expiration)
+    assert dht.store(elsewhere) is False
+    assert dht.get(heartbeat_key(run_key, 3, (mine + 1) % 8)) == []

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hivetrain.dht.records import bucket_of
+from hivetrain.dht.records import bucket_of, heartbeat_bucket
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.sim.measure import row
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
@@ -69,12 +69,17 @@ def test_a_peer_killed_inside_the_allreduce_leaves_survivors_void_or_agreeing(po
     assert len({r["state_hash"] for r in round2}) == 1
 
 
-def test_a_partition_heals_into_one_state() -> None:
+@pytest.mark.parametrize("expected", [0, 200])
+def test_a_partition_heals_into_one_state(expected: int) -> None:
     # two rounds together, then {0, 1} | {2, 3} for about three rounds (cut between two rounds'
-    # all-reduces: one cut inside an all-reduce voids that round at its deadline), then healed
-    result = simulate(Scenario(peers=4, rounds=12, target=4, seed=5,
+    # all-reduces: one cut inside an all-reduce voids that round at its deadline), then healed.
+    # expected_peers=200: heartbeats in 4 buckets, of which fork choice reads a random 2 a round
+    # (and round 0's ready records in 8 buckets: groups of 1, one state through the cross stage)
+    result = simulate(Scenario(peers=4, rounds=12, target=4, seed=5, spec=(("expected_peers", expected),),
                                events=(Event(at=15.0, kind="partition", peers=(2, 3), until=35.0),)))
     assert not result.stalled
+    keys = {key.split("/peers")[1] for node in result.dht.nodes.values() for key in node.storage if "/peers" in key}
+    assert keys == ({f"/2/{heartbeat_bucket(p.id, 2)}" for p in result.peers} if expected else {""}), keys
     during = [rec for i, rec in result.records if rec.get("event") == "round" and 19.0 < rec["t"] < 33.0]
     assert during and all(rec["void"] or rec["group_size"] <= 2 for rec in during), during
     finals = [rounds_of(result, i)[11] for i in range(4)]

@@ -328,6 +328,7 @@ class FakeSync:
         self.run_key = RUN_KEY
         self.served: list[Snapshot] = []
         self.reach: dict[str, int] = {}  # the reachability mix of the heartbeats last read
+        self.heartbeat_level, self.sampled = 0, 1.0
 
     def check(self, own: Own, weights: dict[str, float], clock: Clock, exclude: Any = ()) -> Choice:
         self.calls.append((own, dict(weights), clock, set(exclude)))
@@ -379,7 +380,7 @@ def test_waiting_for_a_rounds_end_does_not_wait_for_a_dead_peer_once_the_others_
     t0 = time.monotonic()
     said = {"A": 0.0, "B": 0.3}  # seconds after the start at which each publishes round 4
 
-    async def heartbeats(dht: Any, run_key: str) -> list[Any]:
+    async def heartbeats(dht: Any, run_key: str, *where: Any) -> list[Any]:
         now = time.monotonic() - t0
         return [Attestation(p, State(4 if now >= at else 3, "ab" * 32, "0" * 64)) for p, at in said.items()] \
             + [Attestation("dead", State(3, "cd" * 32, "0" * 64))]
