@@ -83,7 +83,7 @@ def peer_cmd(args: argparse.Namespace, workdir: Path, name: str, host: str, max_
             "--metrics-file", str(workdir / f"{name}.jsonl"), "--info-file", str(workdir / f"{name}.json"),
             "--state-dir", str(workdir / f"{name}-state"), "--host-maddrs", f"/ip4/{host}/tcp/0",
             "--until-round", str(max_rounds), "--wait-for-peers", "3", "--wait-timeout", "120",
-            "--eval-batches", "0", "--quiet", *run]
+            "--eval-batches", "0", *run]
 
 
 def anchor_cmd(args: argparse.Namespace, index: int, host: str, extra: list[str]) -> list[str]:

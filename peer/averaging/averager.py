@@ -186,7 +186,8 @@ class P2PAverager:
                                    ctx.spec.piece_values, mm.closed_members(order), mm.claims(order), layout)
             self.sessions[round_] = session
             self._mark_replays(session)
-            outcome = await AllReduceRunner(ctx, session, desk).run(delta)
+            runner = AllReduceRunner(ctx, session, desk)
+            outcome = await runner.run(delta)
         except RoundFailed as e:
             mm.view.abandoned = True  # tell peers that still ask: we are out of this round
             excluded = {**mm.view.capped, **e.excluded}
@@ -211,7 +212,10 @@ class P2PAverager:
         stats = {"matchmaking_s": t1 - t0, "window_s": mm.waited, "allreduce_s": clock.now() - t1,
                  "others_seen": float(max(0, others)), "up_claim_kBps": float(mm.view.me_up),
                  "shards_reduced": float(len(session.mine)), "shards": float(session.units),
-                 "groups": float(groups), "round_members": float(max(members, len(order)))}
+                 "groups": float(groups), "round_members": float(max(members, len(order))),
+                 # sub-pieces of ours whose mean no designee sent back by the deadline: our group applied
+                 # its own values there (the run may fork there; cross.py)
+                 "cross_fallbacks": float(runner.fallbacks)}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
