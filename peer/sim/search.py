@@ -45,8 +45,16 @@ class Violation:
         return {"invariant": self.invariant, "seed": self.seed, "attack": self.attack, "summary": self.summary}
 
 
+LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
+
+
 def schedule(seed: int) -> Scenario:
-    """The random schedule of ``seed`` (deterministic)."""
+    """The random schedule of ``seed`` (deterministic). Seeds from ``LARGE_SEEDS`` on draw a large
+    run instead: 24 to 40 peers at target 2, with ``expected_peers`` in the spec, so that ready
+    records and heartbeats spread over buckets and many groups meet in the cross-group stage (the
+    small family never exercises either); seeds below keep the schedules documented before it."""
+    if seed >= LARGE_SEEDS:
+        return _large(seed)
     rng = random.Random(f"search/{seed}")
     n = rng.randint(6, 14)
     f = rng.randint(1, (n - 1) // 3)  # f < n/3
@@ -60,6 +68,25 @@ def schedule(seed: int) -> Scenario:
                         until=round(rng.uniform(2.0, 15.0), 3)),)
     return Scenario(peers=n, rounds=4, target=rng.choice((4, 8)), jitter_s=rng.choice((0.0, 3.0)), seed=seed,
                     numel=1024, dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events)
+
+
+def _large(seed: int) -> Scenario:
+    rng = random.Random(f"search-large/{seed}")
+    n = rng.randint(24, 40)
+    f = rng.randint(1, (n - 1) // 3)
+    prefixes = rng.randint(1, min(f, 4))
+    attacks = tuple(sorted(rng.sample(sorted(LIBRARY), rng.choice((1, 1, 2)))))
+    dishonest = tuple(sorted(rng.sample(range(n), f)))
+    honest = [i for i in range(n) if i not in dishonest]
+    events: tuple[Event, ...] = ()
+    if rng.random() < 0.4:
+        events = (Event(at=round(rng.uniform(3.0, 20.0), 3), kind="crash", peers=(rng.choice(honest),),
+                        until=round(rng.uniform(2.0, 10.0), 3)),)
+    # round 0 in 2^L ready buckets of 4 to 8 pairs' peers; above 64, heartbeats in buckets too
+    expected = rng.choice((n, 2 * n, 4 * n))
+    return Scenario(peers=n, rounds=3, target=2, jitter_s=rng.choice((0.0, 3.0)), seed=seed, numel=1024,
+                    dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events,
+                    spec=(("expected_peers", expected),))
 
 
 def _tainted(result: Result) -> dict[str, str]:

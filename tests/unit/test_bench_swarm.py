@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import swarm as bench
-from hivetrain.peer.sim.search import MAX_CONTAINER, check, schedule
+from hivetrain.peer.sim.search import LARGE_SEEDS, MAX_CONTAINER, check, schedule
 from hivetrain.peer.sim.swarm import Scenario, simulate
 
 KEYS = {"peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
@@ -43,6 +43,17 @@ def test_a_schedule_is_drawn_from_its_seed_alone_and_replays_bit_for_bit() -> No
     first, again = simulate(a), simulate(b)
     assert first.trace_hash == again.trace_hash
     assert check(first)[0] == check(again)[0]
+
+
+def test_the_large_family_draws_runs_whose_records_spread_over_buckets() -> None:
+    small = [schedule(s) for s in range(40)]
+    large = [schedule(LARGE_SEEDS + s) for s in range(40)]
+    assert all(6 <= sc.peers <= 14 and not sc.spec for sc in small)  # the documented seeds keep their schedules
+    assert all(24 <= sc.peers <= 40 and sc.target == 2 and 3 * len(sc.dishonest) < sc.peers for sc in large)
+    expected = [dict(sc.spec)["expected_peers"] for sc in large]
+    assert all(sc.peers <= e <= 4 * sc.peers for sc, e in zip(large, expected, strict=True))
+    assert any(e > 64 for e in expected) and any(e <= 64 for e in expected)  # heartbeat buckets too, or not
+    assert schedule(LARGE_SEEDS + 3) == schedule(LARGE_SEEDS + 3)
 
 
 @pytest.mark.parametrize("argv", [["--peers", "-1"], ["--target", "1"], ["--search", "--budget", "0"],
