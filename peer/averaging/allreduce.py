@@ -283,12 +283,33 @@ class AllReduceRunner:
                          s.deadline, f"the result of shard {k}")
         weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
         ok = weight > 0
-        for j, body in enumerate(bodies):
-            header = self._cross_header(k, j, weight, enc, body, True, ok)
-            try:
-                await self._to_designee(k, j, header, b"")
-            except RoundFailed as e:  # its reducer's sub-piece may never have reached them: the means say
-                logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, e)
+        await asyncio.gather(*(self._vouch_one(k, j, self._cross_header(k, j, weight, enc, body, True, ok))
+                               for j, body in enumerate(bodies)))
+
+    async def _vouch_one(self, k: int, j: int, header: dict[str, Any]) -> None:
+        """Our word on sub-piece (k, j), until a designee takes it or its mean is here. A designee
+        that has not received the reducer's sub-piece answers NOT_READY, and the reducer may have
+        given it to another (one it could reach and we cannot, or the next after a silent one):
+        asked again until the deadline, such a designee held our round open until then, the mean
+        long arrived (seen in bench.utilization and in the simulator). Once the mean is here the
+        word is moot: the designee computed it."""
+        s = self.session
+        if (k, j) in s.cross:
+            return
+        word = asyncio.ensure_future(self._to_designee(k, j, header, b""))
+        mean = asyncio.ensure_future(s.wait_for(lambda: (k, j) in s.cross, s.deadline,
+                                                f"the mean of sub-piece ({k}, {j})"))
+        try:
+            await asyncio.wait({word, mean}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (word, mean):
+                task.cancel()
+            await asyncio.gather(word, mean, return_exceptions=True)
+        error = word.exception() if word.done() and not word.cancelled() else None
+        if isinstance(error, RoundFailed):  # its reducer's sub-piece may never have reached them: the means say
+            logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, error)
+        elif error is not None:
+            raise error
 
     async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes,
                            skip: set[str] | frozenset[str] = frozenset()) -> str:

@@ -10,6 +10,7 @@ import pytest
 from hivetrain.dht.records import bucket_of, heartbeat_bucket
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.sim.measure import row
+from hivetrain.peer.sim.search import check
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,6 +110,19 @@ def test_peers_behind_nat_that_join_later_train_with_the_open_peer() -> None:
     last = [rounds_of(result, i)[5] for i in range(3)]
     assert all(not r["void"] and r["group_size"] == 3 for r in last), last
     assert len({r["state_hash"] for r in last}) == 1
+
+
+def test_no_round_waits_for_its_deadline_on_a_word_no_designee_can_take() -> None:
+    # seed 7: peer 2 (behind NAT) attests a shard whose reducer gave its sub-piece to a designee other
+    # than the one that answers peer 2 (NOT_READY: "its reducer's sub-piece has not arrived yet"); asked
+    # again until the deadline, that word held peer 2's round 3 open for 30 s, the mean long arrived,
+    # and the other two went on as a pair (the same stall as bench.utilization's, 2026-12-03)
+    result = simulate(Scenario(peers=3, rounds=6, target=3, nat_fraction=0.67, seed=7, join_at=(0.0, 12.0, 12.0)))
+    assert {p.index for p in result.peers if p.id in result.net.behind_nat} == {1, 2}
+    assert check(result)[1]["I6_completed_at_deadline"] == 0
+    completed = [rec for _, rec in result.records if rec.get("event") == "round" and not rec["void"] and rec["round"] >= 3]
+    assert completed and max(rec["allreduce_s"] for rec in completed) < 15.0, completed
+    assert {rec["group_size"] for rec in completed} == {3}  # nobody went on without the peer it waited for
 
 
 def test_a_member_at_a_fifth_of_the_uplink_only_sends_once_its_rate_is_measured() -> None:
