@@ -158,7 +158,8 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
         print(f"seed {r['seed']}: {r['peers']} peers, {r['attackers']} attackers on {r['prefixes']} /24s, "
               f"{'+'.join(r['attacks'])}{', churn' if r['churn'] else ''}: "
               f"{','.join(r['violations']) or 'held'} (states/round {r['I2_states_per_round']}, "
-              f"completed {r['I4_completed_fraction']:.2f}, {r['wall_s']:.1f} s)", flush=True)
+              f"completed {r['I4_completed_fraction']:.2f}, at deadline {r['I6_completed_at_deadline']}, "
+              f"{r['wall_s']:.1f} s)", flush=True)
 
     n, violations, rows = search(args.budget, args.seed, progress)
     stories = {r["seed"]: r["story"] for r in rows if "story" in r}
