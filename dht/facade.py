@@ -8,7 +8,8 @@ training thread) reach the loop with ``run`` and ``submit``; coroutines on the l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from .identity import Identity
@@ -67,3 +68,20 @@ class DHTFacade(LoopRunner, Protocol):
         ...
 
     def remember_threadsafe(self, peer_ids: Iterable[str]) -> None: ...
+
+
+async def aget_each(dht: Any, keys: Sequence[str], timeout: float, at_once: int = 16) -> list[list[Envelope] | None]:
+    """Reads ``keys`` ``at_once`` at a time, each within ``timeout`` seconds (on the DHT's loop): per
+    key, its envelopes, or None where its read failed (the caller reads again); if every read failed,
+    the first error is raised (e.g. TimeoutError)."""
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(key: str) -> list[Envelope]:
+        async with gate, asyncio.timeout(timeout):
+            return list(await dht.aget(key))
+
+    results = await asyncio.gather(*(one(k) for k in keys), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors and len(errors) == len(results):
+        raise errors[0]
+    return [None if isinstance(r, BaseException) else r for r in results]

@@ -156,10 +156,7 @@ def heartbeat_key(run_key: str, level: int = 0, bucket: int = 0) -> str:
 def heartbeat_bucket(peer_id: str, level: int) -> int:
     """The bucket of ``peer_id``'s heartbeats when the run has 2^level of them: the top ``level``
     bits of a hash of the peer id, the same in every round (a heartbeat outlives its round)."""
-    if level == 0:
-        return 0
-    h = hashlib.sha256(f"hivetrain-heartbeat/{peer_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") >> (64 - level)
+    return _top_bits(f"hivetrain-heartbeat/{peer_id}", level)
 
 
 MAX_READY_LEVEL = 12  # a round's ready records are spread over at most 2^12 keys (peer/averaging/ready.py)
@@ -175,10 +172,14 @@ def ready_key(run_key: str, round_: int, level: int = 0, bucket: int = 0) -> str
 def bucket_of(round_: int, peer_id: str, level: int) -> int:
     """The bucket of ``peer_id``'s ready record of ``round_`` when the round has 2^level buckets:
     the top ``level`` bits of a hash, so buckets nest from one level to the next."""
+    return _top_bits(f"hivetrain-bucket/{round_}/{peer_id}", level)
+
+
+def _top_bits(text: str, level: int) -> int:
+    """The top ``level`` bits of sha256(text): a bucket of 2^level that nests into the level below."""
     if level == 0:
         return 0
-    h = hashlib.sha256(f"hivetrain-bucket/{round_}/{peer_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") >> (64 - level)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> (64 - level)
 
 
 # ---- payload schemas --------------------------------------------------------------------------------

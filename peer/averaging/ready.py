@@ -17,13 +17,13 @@ groups (between 1x and 2x that many peers): matchmaking reads its own bucket onl
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hivetrain.dht import clock
 from hivetrain.dht.errors import InvalidRecord
+from hivetrain.dht.facade import aget_each
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import (
     MAX_READY_LEVEL,
@@ -121,19 +121,13 @@ class DHTReadyBoard:
     async def read(self, round_: int, level: int = 0, buckets: Sequence[int] | None = None) -> list[Ready]:
         """Reads the buckets READS_AT_ONCE at a time; a bucket whose read fails is left out (the
         caller reads again), unless every one failed: then the error is raised."""
-        chosen = range(1 << level) if buckets is None else buckets
-        gate = asyncio.Semaphore(READS_AT_ONCE)
-
-        async def one(bucket: int) -> list[Ready]:
-            async with gate, asyncio.timeout(READ_TIMEOUT):
-                envelopes = await self.dht.aget(ready_key(self.run_key, round_, level, bucket))
-            return [r for r in (verified(e, level, bucket) for e in envelopes) if r is not None and r.round == round_]
-
-        results = await asyncio.gather(*(one(b) for b in chosen), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and len(errors) == len(results):
-            raise errors[0]
-        return [r for rs in results if not isinstance(rs, BaseException) for r in rs]
+        chosen = list(range(1 << level) if buckets is None else buckets)
+        found = await aget_each(self.dht, [ready_key(self.run_key, round_, level, b) for b in chosen], READ_TIMEOUT,
+                                READS_AT_ONCE)
+        out: list[Ready] = []
+        for bucket, envelopes in zip(chosen, found, strict=True):
+            out += [r for r in (verified(e, level, bucket) for e in envelopes or ()) if r is not None and r.round == round_]
+        return out
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 
 from hivetrain.dht import clock
 from hivetrain.dht.errors import DHTError, DHTTimeout, InvalidRecord
-from hivetrain.dht.facade import DHTFacade, FutureLike
+from hivetrain.dht.facade import DHTFacade, FutureLike, aget_each
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import (
     MAX_HEARTBEAT_LEVEL,
@@ -159,17 +159,8 @@ async def aread_heartbeats(dht: DHTFacade, run_key: str, level: int = 0,
     timeout; a bucket whose read fails is left out, unless every one failed: then the error (e.g.
     TimeoutError) is raised."""
     chosen = list(range(1 << level) if buckets is None else buckets)
-    gate = asyncio.Semaphore(READS_AT_ONCE)
-
-    async def one(bucket: int) -> list[dict[str, Any]]:
-        async with gate, asyncio.timeout(dht.timeout):
-            return _bound(await dht.aget(heartbeat_key(run_key, level, bucket)), level, bucket)
-
-    results = await asyncio.gather(*(one(b) for b in chosen), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors and len(errors) == len(results):
-        raise errors[0]
-    return [hb for found in results if not isinstance(found, BaseException) for hb in found]
+    found = await aget_each(dht, [heartbeat_key(run_key, level, b) for b in chosen], dht.timeout, READS_AT_ONCE)
+    return [hb for bucket, envelopes in zip(chosen, found, strict=True) for hb in _bound(envelopes or [], level, bucket)]
 
 
 def _bound(envelopes: list[Envelope], level: int, bucket: int) -> list[dict[str, Any]]:
