@@ -237,7 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--full", action="store_true", help="every combination, 1000 peers included (hours)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--seed", type=int, default=0,
-                    help="first seed (--search: from 1000000 on, the large family: 24-40 peers, target 2, buckets)")
+                    help="first seed (--search: from 1000000 on, the large family: 24-40 peers, target 2, "
+                         "buckets; from 2000000 on, the slow family: slow members, relayed audit copies)")
     ap.add_argument("--peers", type=int, default=0, help="run one configuration with this many peers")
     ap.add_argument("--rounds", type=int, default=0, help="rounds per run (default 4; half above 128 peers)")
     ap.add_argument("--target", type=int, default=4, help="target group size (with --peers)")

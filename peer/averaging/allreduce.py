@@ -4,7 +4,9 @@ For a decided group ``order`` (n members) of round r, the vector is cut into n x
 of about the run's ``piece_values``; peer/averaging/session.py). Every member:
 
 1. encodes its slice of every shard k and sends it to member k mod n (the reducer) and to member
-   k + 1 mod n (the auditor of shard k, when the run audits), in shard order;
+   k + 1 mod n (the auditor of shard k, when the run audits), in shard order; a slow member sends
+   its signed slice to the reducer only and its digest to the auditor, and the reducer relays the
+   slice to the auditor (peer/averaging/session.py): a slow uplink carries the vector once;
 2. as reducer, as soon as all parts of one of its shards are in, validates and combines them
    (peer/averaging/reduce.py) and sends the re-encoded result, with the digests of the parts it
    used, signed, to every member, while the later shards still stream;
@@ -61,6 +63,7 @@ from hivetrain.peer.averaging.statements import (
     applied_digest,
     commitment,
     pack_all,
+    sign_part,
     sign_result,
     sign_verdict,
     unpack_all,
@@ -140,12 +143,16 @@ class AllReduceRunner:
             s.shards[k].parts[ctx.me] = parts[k]
         self.claims = self._claims()
         ctx.behaviour.at("before_parts", r)
+        relayed = ctx.me in s.relayed  # our audit copies go through the reducers: we send a pledge instead
         for k in range(s.units):  # in shard order: every member sends its part of shard 0 first, then 1, ...
-            header = self._header("part", k, digest=digest(parts[k]))
+            header = self._part_header(k, parts[k], relayed)
             for peer, auditor in ((s.reducer(k), False), (s.auditor(k), True)):
                 if peer is not None and peer != ctx.me:
                     part = ctx.behaviour.part_for(r, k, peer, auditor, parts[k])
-                    sent = header if part is parts[k] else self._header("part", k, digest=digest(part))
+                    if auditor and relayed:
+                        self.outbox.put(peer, self._header("pledge", k, digest=digest(part)), b"", strict=True)
+                        continue
+                    sent = header if part is parts[k] else self._part_header(k, part, relayed)
                     self.outbox.put(peer, sent, part, strict=True)
         try:
             await self._pipeline()
@@ -174,7 +181,7 @@ class AllReduceRunner:
         """Reduces our shards and audits our audited ones, each as soon as its parts are in, while
         the rest still streams; then waits for every result and verdict and for our sends."""
         s = self.session
-        work = [self._parts_delivered(), self._reduce_all(), self._audit_all()]
+        work = [self._parts_delivered(), self._reduce_all(), self._audit_all(), self._relay_all()]
         await first_failure(*work, *([self._cross()] if s.cross_on else []))
         await s.wait_for(lambda: all(sh.result is not None for sh in s.shards), s.deadline, "results of every shard")
         if s.audit:
@@ -405,6 +412,33 @@ class AllReduceRunner:
         newcomers = {p for p in s.order if p != ctx.me and ctx.trust.on_probation(p, s.round)}
         return probation_claims(s.order, newcomers)
 
+    def _part_header(self, k: int, part: bytes, signed: bool) -> dict[str, Any]:
+        d = digest(part)
+        sig = sign_part(self.ctx.identity, self.session.where(k), d).hex() if signed else ""
+        return self._header("part", k, digest=d, sig=sig)
+
+    async def _relay_all(self) -> None:
+        """As reducer: each slow member's part of our shards, as it arrives, to the shard's auditor
+        with the member's signature (or our refusal of it)."""
+        s = self.session
+        await asyncio.gather(*(self._relay(m) for m in s.order if m in s.relayed))
+
+    async def _relay(self, member: str) -> None:
+        s, ctx = self.session, self.ctx
+        for k in s.mine:
+            shard, auditor = s.shards[k], s.auditor(k)
+            await s.wait_for(lambda: member in shard.parts or member in shard.invalid,  # noqa: B023 (awaited here)
+                             s.deadline, f"the part of {member} of shard {k}")
+            if auditor is None or auditor == member:
+                continue
+            held = shard.parts.get(member)
+            part = None if held is None else ctx.behaviour.relay_for(s.round, k, member, held)
+            if held is None or part is None:
+                header = self._header("relay", k, member=member, digest="", sig="")
+            else:
+                header = self._header("relay", k, member=member, digest=digest(held), sig=shard.sigs[member].hex())
+            self.outbox.put(auditor, header, part or b"", strict=False)
+
     async def _audit_all(self) -> None:
         for k in self.session.audited:
             await self._audit(k)
@@ -421,6 +455,7 @@ class AllReduceRunner:
         except RoundFailed:
             pass
         missing = [p for p in s.order if p not in shard.parts and p not in shard.invalid]
+        contested = s.contested(k)
         inputs = self._inputs(k)
         digests = part_digests(inputs.received, inputs.invalid, inputs.order)
         ahead: Shard | None = None
@@ -433,7 +468,12 @@ class AllReduceRunner:
         assert shard.result is not None
         finding: Finding | None
         if missing:
-            finding = Finding(FindingKind.UNVERIFIABLE, reason(f"no part from {', '.join(missing)} reached us"))
+            relayed = [p for p in missing if p in s.relayed]
+            finding = Finding(FindingKind.UNVERIFIABLE, reason(
+                f"no part from {', '.join(missing)} reached us" + (" (its reducer relays it)" if relayed else "")))
+        elif contested:
+            finding = Finding(FindingKind.UNVERIFIABLE, reason(
+                f"{', '.join(contested)} pledged a part its reducer says it refused"))
         else:
             # the head start counts only if it reduced exactly what the audit checks: the same parts, the same claims
             same = list(shard.claims) == self.claims and list(shard.commits) == digests

@@ -39,7 +39,7 @@ from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code, reason
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-SESSION_KINDS = ("part", "result", "audit", "applied", "evidence_req", "statements_req", "cross_out")
+SESSION_KINDS = ("part", "pledge", "relay", "result", "audit", "applied", "evidence_req", "statements_req", "cross_out")
 MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 

@@ -30,6 +30,11 @@ class Behaviour:
         """Our part of ``shard`` as sent to ``recipient`` (its reducer, or its auditor if ``auditor``)."""
         return part
 
+    def relay_for(self, round_: int, shard: int, member: str, part: bytes) -> bytes | None:
+        """A slow member's part of the shard we reduce, as we relay it to the shard's auditor (None:
+        we say we refused it)."""
+        return part
+
     def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int, codec: Codec) -> bytes:
         """The result of the shard we reduced, as sent to ``recipient``."""
         return result

@@ -186,13 +186,22 @@ def message(run: str, round_: int, base: str, k: int, j: int, result: str, weigh
     return _CROSS + f"{run}/{round_}/{base}/{k}/{j}/{result}/{weight}/{groups}/{enc}".encode()
 
 
+def designated(header: dict[str, Any], plan: Plan, fallback: str = "") -> bool:
+    """Whether a ``cross_out``'s signer is, by our plan, one of its sub-piece's designees (or our
+    reducer of the shard signing its own result: ``fallback``). Plans come from boards, and two
+    honest peers' boards can differ: a signer outside ours is refused, but proves nothing against
+    the member that forwarded it."""
+    k, j = header["shard"], header["sub"]
+    return header["signer"] in plan.ranked(k, j) or (header["signer"] == fallback and header["groups"] <= 1)
+
+
 def checked(header: dict[str, Any], body: bytes, plan: Plan, fallback: str = "") -> str:
     """Why a ``cross_out`` is not a designee's signed sub-piece ("" if it is). ``fallback``: our
     reducer of the shard, who signs its own result when no designee took it (``fallen_back``)."""
     k, j = header["shard"], header["sub"]
     if k >= plan.units or j >= plan.subs:
         return f"sub-piece ({k}, {j}) does not exist"
-    if header["signer"] not in plan.ranked(k, j) and not (header["signer"] == fallback and header["groups"] <= 1):
+    if not designated(header, plan, fallback):
         return f"{header['signer']} is not a designee of sub-piece ({k}, {j})"
     result = hashlib.sha256(body).hexdigest() if body else VOID
     if result != header["result"]:

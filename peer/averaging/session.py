@@ -12,6 +12,11 @@ every message it accepts comes from a member, and each slot takes one message fr
 whose role it is:
 
 - a part of shard k: from any member, and only if we reduce or audit k; exactly the shard's size;
+  a slow member (``relayed``) sends its part only to the reducer, signed, and only a ``pledge`` (the
+  part's digest) to the auditor: the reducer ``relay``s the part with the member's signature to the
+  auditor, so a slow uplink carries the vector once, not twice. The reducer cannot alter the copy
+  (the signature), nor drop it unseen (the pledge: a part pledged and not relayed leaves the shard
+  unverifiable, as copies that differ do); a member whose pledge and signed part differ is caught;
 - the result of shard k: from its reducer only, signed by it (peer/averaging/statements.py);
 - the verdict on shard k: from its auditor only, signed by it;
 - an ``applied`` report (a digest, no body): from each member once.
@@ -34,13 +39,22 @@ from hivetrain.dht import clock
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
-from hivetrain.peer.averaging.cross import MAX_SUBS, MIN_SUB_VALUES, VOID, Plan, checked, cross_codec
+from hivetrain.peer.averaging.cross import (
+    MAX_SUBS,
+    MIN_SUB_VALUES,
+    VOID,
+    Plan,
+    checked,
+    cross_codec,
+    designated,
+)
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
     STATEMENT_LEN,
     Statement,
     Where,
     commitment,
+    part_message,
     result_message,
     valid,
     verdict_message,
@@ -71,6 +85,9 @@ class ShardState:
     excluded: list[str] = field(default_factory=list)  # members the reducer left out
     result_sig: bytes = b""
     verdict: Verdict | None = None  # from the auditor
+    sigs: dict[str, bytes] = field(default_factory=dict)  # slow member -> its signature of its part (we reduce, relay it)
+    pledged: dict[str, str] = field(default_factory=dict)  # slow member -> the digest it pledged us (we audit)
+    refused: set[str] = field(default_factory=set)  # slow members whose part the reducer says it refused (we audit)
     evidence: list[bytes] | None = None  # our copies of the parts behind our accusation (we audit it)
 
 
@@ -136,6 +153,7 @@ class RoundSession:
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
         self.audit = audits and nr >= 2
+        self.relayed = self.slow if self.audit else frozenset()  # they send one copy; reducers relay the audit's
         self.checkers = _auditors(self.slots, self.reducers)
         self.mine = [k for k in range(self.units) if self.reducer(k) == me]  # shards we reduce
         self.audited = [k for k in range(self.units) if self.auditor(k) == me]  # shards we audit
@@ -186,13 +204,13 @@ class RoundSession:
         if kind != "evidence_req" and "shard" in header and header["shard"] >= self.units:
             return self._convict(sender, Code.MALFORMED, f"shard {header['shard']} of {self.units}")
         check = {"part": self._admit_part, "result": self._admit_result, "audit": self._admit_verdict,
-                 "applied": self._admit_applied}.get(kind)
+                 "applied": self._admit_applied, "pledge": self._admit_pledge, "relay": self._admit_relay}.get(kind)
         if check is None:
             return Code.MALFORMED, f"{kind} is not a session message"
         refusal = check(sender, header, body_len)
         if refusal is not None:
             return refusal
-        slot = (kind, header.get("shard", -1), sender)
+        slot = (kind, header.get("shard", -1), sender, header.get("member", ""))
         if slot in self.reading:
             return Code.BUSY, "the same message is being read"
         self.reading.add(slot)
@@ -244,7 +262,8 @@ class RoundSession:
             body = self.shards[k].result
         why = checked(header, body, self.plan, self.reducer(k))
         if why:
-            if sender != header["signer"] and sender in self.order:
+            # a signer outside our plan may be in our reducer's (boards differ): refused, not held against it
+            if sender != header["signer"] and sender in self.order and designated(header, self.plan, self.reducer(k)):
                 return self._convict(sender, Code.MALFORMED, f"forwarded a mean that is not a designee's: {why}")
             return Code.MALFORMED, why
         self.cross.setdefault((header["shard"], header["sub"]), (header, body))
@@ -255,6 +274,8 @@ class RoundSession:
         k = header["shard"]
         if self.reducer(k) != self.me and self.auditor(k) != self.me:
             return Code.WRONG_ROLE, f"we neither reduce nor audit shard {k}"
+        if sender in self.relayed and self.reducer(k) != self.me:
+            return Code.WRONG_ROLE, f"the audit copy of a slow member's part of shard {k} comes from its reducer"
         shard = self.shards[k]
         if sender in shard.parts:
             same = digest(shard.parts[sender]) == header["digest"]
@@ -267,6 +288,41 @@ class RoundSession:
             shard.invalid[sender] = why  # marked, so that we do not wait for it until the deadline
             self.arrived.set()
             return Code.WRONG_SIZE, why
+        if sender in self.relayed and not valid(sender, bytes.fromhex(header["sig"]),
+                                                part_message(self.where(k), header["digest"])):
+            return self._convict(sender, Code.MALFORMED, f"its part of shard {k} is not signed by it (we relay it)")
+        return None
+
+    def _admit_pledge(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        k = header["shard"]
+        if sender not in self.relayed or self.auditor(k) != self.me:
+            return Code.WRONG_ROLE, f"a pledge is a slow member's word to the auditor of shard {k}"
+        if body_len:
+            return Code.WRONG_SIZE, "a pledge has no body"
+        pledged = self.shards[k].pledged.get(sender)
+        if pledged is not None:
+            return (Code.DUPLICATE, "") if pledged == header["digest"] else self._convict(
+                sender, Code.EQUIVOCATION, f"pledged two different parts of shard {k}")
+        return None
+
+    def _admit_relay(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
+        k, member = header["shard"], header["member"]
+        if sender != self.reducer(k) or self.auditor(k) != self.me:
+            return self._convict(sender, Code.WRONG_ROLE, f"relayed a part of shard {k}, which it does not reduce")
+        if member not in self.relayed:
+            return self._convict(sender, Code.MALFORMED, f"relayed the part of {member}, who sends us its own")
+        shard = self.shards[k]
+        if member in shard.parts or member in shard.refused:
+            held = digest(shard.parts[member]) if member in shard.parts else ""
+            return (Code.DUPLICATE, "") if held == header["digest"] else self._convict(
+                sender, Code.EQUIVOCATION, f"relayed two different parts of {member} for shard {k}")
+        if not header["digest"]:  # the reducer refused that part: its word, checked against the pledge
+            return None if not body_len and not header["sig"] else self._convict(
+                sender, Code.MALFORMED, "a refusal carries no part")
+        if body_len != self.shard_nbytes(k):
+            return self._convict(sender, Code.WRONG_SIZE, f"relayed a part of shard {k} of the wrong size")
+        if not valid(member, bytes.fromhex(header["sig"]), part_message(self.where(k), header["digest"])):
+            return self._convict(sender, Code.MALFORMED, f"relayed a part of shard {k} that {member} did not sign")
         return None
 
     def _admit_result(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
@@ -334,6 +390,22 @@ class RoundSession:
                 self.arrived.set()
                 return Code.MALFORMED, shard.invalid[sender]
             shard.parts[sender] = body
+            if sender in self.relayed:
+                shard.sigs[sender] = bytes.fromhex(header["sig"])
+        elif kind == "pledge":
+            self.shards[k].pledged[sender] = header["digest"]
+            self._check_pledge(k, sender)
+        elif kind == "relay":
+            shard, member = self.shards[k], header["member"]
+            if not header["digest"]:
+                shard.refused.add(member)
+                shard.invalid[member] = f"its reducer {sender} refused its part of shard {k}"
+            elif digest(body) != header["digest"]:  # (the signature is the member's: the bytes were altered on the way)
+                shard.invalid[member] = f"the copy of its part of shard {k} relayed by {sender} was altered"
+                return self._convict(sender, Code.MALFORMED, f"relayed an altered part of {member} for shard {k}")
+            else:
+                shard.parts[member] = body
+                self._check_pledge(k, member)
         elif kind == "result":
             if hashlib.sha256(body).hexdigest() != header["result"]:
                 return self._convict(sender, Code.MALFORMED, f"its result of shard {k} does not match its hash")
@@ -347,6 +419,21 @@ class RoundSession:
             self.applied[sender], self.held[sender] = header["digest"], header["held"]
         self.arrived.set()
         return Code.OK, ""
+
+    def _check_pledge(self, k: int, member: str) -> None:
+        """A slow member that pledged us one part of shard ``k`` and signed another for its reducer
+        equivocated: caught (the signed part is the one the reducer used, so the audit still checks it)."""
+        shard = self.shards[k]
+        pledged, held = shard.pledged.get(member), shard.parts.get(member)
+        if pledged is not None and held is not None and digest(held) != pledged:
+            self._convict(member, Code.EQUIVOCATION, f"pledged one part of shard {k} to its auditor and signed "
+                                                     "another for its reducer")
+
+    def contested(self, k: int) -> list[str]:
+        """Slow members of shard ``k`` (we audit) that pledged a part their reducer says it refused:
+        one of the two lies, and nothing tells which."""
+        shard = self.shards[k]
+        return [p for p in self.order if p in shard.refused and p in shard.pledged]
 
     def evidence(self, sender: str, header: dict[str, Any]) -> tuple[Code, bytes]:
         """Our copy of one part behind our accusation of shard ``header['shard']``."""

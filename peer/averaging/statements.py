@@ -1,4 +1,5 @@
-"""Signed statements: what a reducer sent as its result, what an auditor found, what a member applied.
+"""Signed statements: what a reducer sent as its result, what an auditor found, what a member applied
+(and what a slow member sent its reducer, for the relayed audit copy).
 
 A reducer signs (round, group, shard, result hash, commitment hash) with its libp2p key; an auditor
 signs (round, group, shard, ok, result hash). After the round every member sends every other member
@@ -23,6 +24,7 @@ from hivetrain.dht.identity import Identity, verify_peer
 _RESULT = b"hivetrain-result-v1\0"
 _VERDICT = b"hivetrain-audit-v1\0"
 _APPLIED = b"hivetrain-applied-v1\0"
+_PART = b"hivetrain-part-v1\0"
 NO_AUDIT, REJECTED, APPROVED = 0, 1, 2  # verdict states in a statement
 _LAYOUT = struct.Struct("<32s32s64sB32s64s")  # result hash, commitment hash, reducer sig, verdict, hash, auditor sig
 STATEMENT_LEN = _LAYOUT.size
@@ -50,6 +52,16 @@ def result_message(where: Where, result_hash: bytes, commit: bytes) -> bytes:
 
 def verdict_message(where: Where, ok: bool, result_hash: bytes) -> bytes:
     return _VERDICT + msgpack.packb([where.run, where.round, where.group, where.shard, ok, result_hash])
+
+
+def part_message(where: Where, part_digest: str) -> bytes:
+    return _PART + msgpack.packb([where.run, where.round, where.group, where.shard, part_digest])
+
+
+def sign_part(identity: Identity, where: Where, part_digest: str) -> bytes:
+    """A slow member's signature of the part it sends a reducer: the reducer relays it to the
+    shard's auditor with the part, which the reducer can then neither alter nor swap."""
+    return identity.sign(part_message(where, part_digest))
 
 
 def sign_result(identity: Identity, where: Where, result_hash: bytes, commit: bytes) -> bytes:

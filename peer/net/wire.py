@@ -103,6 +103,22 @@ def _peers(v: Any) -> bool:
                                                                for p in v) and all(map(_peer_id, v))
 
 
+def _opt_sig(v: Any) -> bool:
+    return v == "" or _sig(v)
+
+
+def _part_digest(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 32 and bool(_DIGEST.fullmatch(v))
+
+
+def _digest_or_none(v: Any) -> bool:
+    return isinstance(v, str) and bool(_DIGEST.fullmatch(v))
+
+
+def _peer(v: Any) -> bool:
+    return type(v) is str and len(v) <= MAX_PEER_ID_LEN and _peer_id(v)
+
+
 _SHARD = _int(0, MAX_PIECES - 1)  # a shard is one piece of a member's share (peer/averaging/session.py)
 _MEMBER = _int(0, MAX_GROUP - 1)
 _UP = _int(0, 10**8)
@@ -117,9 +133,14 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
     "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool,
                    "closed": _bool, "up": _UP},
-    # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor)
-    "part": {**_SESSION, "shard": _SHARD, "digest": lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v))
-             and len(v) == 32},
+    # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor); sig: its
+    # signature of the digest (peer/averaging/statements.py), "" unless its auditor gets the copy relayed (a slow member)
+    "part": {**_SESSION, "shard": _SHARD, "digest": _part_digest, "sig": _opt_sig},
+    # a slow member's word to a shard's auditor: the digest of the part it sent the reducer (no body)
+    "pledge": {**_SESSION, "shard": _SHARD, "digest": _part_digest},
+    # the reducer's copy of a slow member's part (``member``, signed by it), to the shard's auditor; no body,
+    # digest and sig "": the reducer refused that member's part
+    "relay": {**_SESSION, "shard": _SHARD, "member": _peer, "digest": _digest_or_none, "sig": _opt_sig},
     # all-gather: the reducer's re-encoded result of its shard, the digests of the parts it used (per member),
     # the members it gave weight 0 (probation) and left out, signed by the reducer (peer/averaging/statements.py)
     "result": {**_SESSION, "shard": _SHARD, "result": _hex64, "parts": _digests, "probation": _peers,
@@ -139,7 +160,7 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)
     # enc: encoded with the codec reducers use for groups of that size (one group's bytes pass through)
     "cross_out": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
-                  "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": lambda v: type(v) is str and len(v) <= MAX_PEER_ID_LEN and _peer_id(v),
+                  "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": _peer,
                   "sig": _sig},
     # after the round: the digest of what the sender applied and (held) the SHA-256 of the signed statements it
     # holds (peer/averaging/statements.py); no body

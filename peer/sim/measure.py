@@ -16,7 +16,7 @@ from typing import Any
 
 from hivetrain.peer.sim.swarm import Result
 
-DATA_KINDS = ("part", "result", "state_req")  # requests whose bodies are the vector or the state
+DATA_KINDS = ("part", "relay", "result", "state_req")  # requests whose bodies are the vector or the state
 
 
 def lineage(result: Result) -> dict[str, str]:

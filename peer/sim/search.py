@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hivetrain.peer.sim.attacks import LIBRARY
+from hivetrain.peer.sim.attacks import FIRST_ATTACKS, LIBRARY
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, simulate
 
@@ -52,6 +52,7 @@ class Violation:
 
 
 LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
+RELAY_SEEDS = 2_000_000  # ... and from here the slow family: a third of the peers on slow links
 
 
 def schedule(seed: int) -> Scenario:
@@ -59,13 +60,15 @@ def schedule(seed: int) -> Scenario:
     run instead: 24 to 40 peers at target 2, with ``expected_peers`` in the spec, so that ready
     records and heartbeats spread over buckets and many groups meet in the cross-group stage (the
     small family never exercises either); seeds below keep the schedules documented before it."""
+    if seed >= RELAY_SEEDS:
+        return _slow(seed)
     if seed >= LARGE_SEEDS:
         return _large(seed)
     rng = random.Random(f"search/{seed}")
     n = rng.randint(6, 14)
     f = rng.randint(1, (n - 1) // 3)  # f < n/3
     prefixes = rng.randint(1, f)
-    attacks = tuple(sorted(rng.sample(sorted(LIBRARY), rng.choice((1, 1, 2)))))
+    attacks = tuple(sorted(rng.sample(sorted(FIRST_ATTACKS), rng.choice((1, 1, 2)))))
     dishonest = tuple(sorted(rng.sample(range(n), f)))
     honest = [i for i in range(n) if i not in dishonest]
     events: tuple[Event, ...] = ()
@@ -81,7 +84,7 @@ def _large(seed: int) -> Scenario:
     n = rng.randint(24, 40)
     f = rng.randint(1, (n - 1) // 3)
     prefixes = rng.randint(1, min(f, 4))
-    attacks = tuple(sorted(rng.sample(sorted(LIBRARY), rng.choice((1, 1, 2)))))
+    attacks = tuple(sorted(rng.sample(sorted(FIRST_ATTACKS), rng.choice((1, 1, 2)))))
     dishonest = tuple(sorted(rng.sample(range(n), f)))
     honest = [i for i in range(n) if i not in dishonest]
     events: tuple[Event, ...] = ()
@@ -93,6 +96,27 @@ def _large(seed: int) -> Scenario:
     return Scenario(peers=n, rounds=3, target=2, jitter_s=rng.choice((0.0, 3.0)), seed=seed, numel=1024,
                     dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events,
                     spec=(("expected_peers", expected),))
+
+
+def _slow(seed: int) -> Scenario:
+    """6 to 12 peers, a quarter to a third of them (honest or not) at a tenth of the others' rate,
+    vectors large enough to measure it (rates.py): slow members only send, and reducers relay their
+    audit copies; ``tampered_relay`` is drawn half the time, next to any attack of the library."""
+    rng = random.Random(f"search-slow/{seed}")
+    n = rng.randint(6, 12)
+    f = rng.randint(1, (n - 1) // 3)
+    prefixes = rng.randint(1, f)
+    others = sorted(a for a in LIBRARY if a != "tampered_relay")
+    attacks = tuple(sorted({"tampered_relay" if rng.random() < 0.5 else rng.choice(others), rng.choice(others)}))
+    dishonest = tuple(sorted(rng.sample(range(n), f)))
+    honest = [i for i in range(n) if i not in dishonest]
+    events: tuple[Event, ...] = ()
+    if rng.random() < 0.3:
+        events = (Event(at=round(rng.uniform(3.0, 20.0), 3), kind="crash", peers=(rng.choice(honest),),
+                        until=round(rng.uniform(2.0, 10.0), 3)),)
+    return Scenario(peers=n, rounds=4, target=rng.choice((4, 8)), jitter_s=rng.choice((0.0, 3.0)), seed=seed,
+                    numel=1 << 19, slow_fraction=rng.choice((0.25, 0.34)), mbit=20.0, slow_mbit=2.0, down_mbit=20.0,
+                    dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events)
 
 
 def _tainted(result: Result) -> dict[str, str]:

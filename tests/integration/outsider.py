@@ -158,10 +158,10 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                     "foreign magic": PREFIX.pack(b"JUNK", 10, 0) + b"x" * 10,
                     "part of an unknown group, 100 MB claimed": (lambda h: PREFIX.pack(MAGIC, len(h), 100 << 20) + h)(
                         header("part", spec_hash, current, base, group=os.urandom(32).hex(), shard=0,
-                               digest=os.urandom(16).hex())),
+                               digest=os.urandom(16).hex(), sig="")),
                     "part of an unknown group, 1 kB": (lambda h: PREFIX.pack(MAGIC, len(h), 1000) + h)(
                         header("part", spec_hash, current, base, group=os.urandom(32).hex(), shard=0,
-                               digest=os.urandom(16).hex())),
+                               digest=os.urandom(16).hex(), sig="")),
                     "view naming 64 made-up members": (lambda h: PREFIX.pack(MAGIC, len(h), 0) + h)(
                         header("view", spec_hash, current, base, members=[Key().peer_id for _ in range(64)],
                                excluded=[], closed=False, decided=False, up=0)),
@@ -170,7 +170,7 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                     log["frames"].setdefault(name, []).append(await frame(p2p, peer, protocol, data))
                 # a body pushed without waiting to be asked for it (20 MB)
                 h = header("part", spec_hash, current, base, group=os.urandom(32).hex(), shard=0,
-                           digest=os.urandom(16).hex())
+                           digest=os.urandom(16).hex(), sig="")
                 log["frames"].setdefault("body pushed unasked", []).append(await frame(
                     p2p, peer, protocol, PREFIX.pack(MAGIC, len(h), 20 << 20) + h + os.urandom(20 << 20)))
             # 4. a flood of streams that never say anything

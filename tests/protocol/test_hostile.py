@@ -70,7 +70,7 @@ def test_an_outsider_frames_for_our_group_are_refused_attributed_and_unused() ->
         junk = os.urandom(s.shard_nbytes(shard))
         sig = sign_result(outsider.identity, s.where(shard), hashlib.sha256(junk).digest(), commitment([""] * n, [], []))
         frames = {
-            "part": (outsider.header("part", 0, group=s.group, shard=shard, digest=digest(junk)), junk),
+            "part": (outsider.header("part", 0, group=s.group, shard=shard, digest=digest(junk), sig=""), junk),
             "result": (outsider.header("result", 0, group=s.group, shard=(shard + 1) % n,
                                        result=hashlib.sha256(junk).hexdigest(), parts=[""] * n, probation=[],
                                        excluded=[], sig=sig.hex()), junk),
@@ -225,7 +225,7 @@ def test_junk_group_hashes_for_the_next_round_hold_nothing_and_block_nothing() -
         codes = []
         for _ in range(8):
             junk = os.urandom(1000)
-            h = outsider.header("part", 1, group=os.urandom(32).hex(), shard=0, digest=digest(junk))
+            h = outsider.header("part", 1, group=os.urandom(32).hex(), shard=0, digest=digest(junk), sig="")
             codes.append(outsider.send(0, h, junk)[0]["code"])
         assert set(codes) == {Code.NOT_READY}
         assert 1 not in swarm.peers[0].sessions
@@ -511,7 +511,7 @@ def test_replayed_parts_of_an_earlier_round_are_refused_and_attributed_at_once()
         for k in range(n):
             for target in {old.order[k], old.order[(k + 1) % n]} - {replayer.me}:
                 body = os.urandom(old.shard_nbytes(k))
-                old_frames.append((target, replayer.header("part", 0, BASE, group=old.group, shard=k,
+                old_frames.append((target, replayer.header("part", 0, BASE, group=old.group, shard=k, sig="",
                                                            digest=digest(body)), body))
 
         async def replay() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import swarm as bench
-from hivetrain.peer.sim.search import LARGE_SEEDS, MAX_CONTAINER, check, schedule
+from hivetrain.peer.sim.search import LARGE_SEEDS, MAX_CONTAINER, RELAY_SEEDS, check, schedule
 from hivetrain.peer.sim.swarm import Scenario, simulate
 
 KEYS = {"peers", "target", "jitter_s", "slow_fraction", "rounds", "states_per_round", "lineages",
@@ -54,6 +54,15 @@ def test_the_large_family_draws_runs_whose_records_spread_over_buckets() -> None
     assert all(sc.peers <= e <= 4 * sc.peers for sc, e in zip(large, expected, strict=True))
     assert any(e > 64 for e in expected) and any(e <= 64 for e in expected)  # heartbeat buckets too, or not
     assert schedule(LARGE_SEEDS + 3) == schedule(LARGE_SEEDS + 3)
+
+
+def test_the_slow_family_draws_slow_members_and_the_relay_attack_and_the_others_keep_their_attacks() -> None:
+    slow = [schedule(RELAY_SEEDS + s) for s in range(40)]
+    assert all(6 <= sc.peers <= 12 and sc.slow_fraction >= 0.25 and sc.numel >= 1 << 19 for sc in slow)
+    assert sum("tampered_relay" in sc.attacks for sc in slow) >= 10
+    # the earlier families draw from the attacks they had when their seeds were documented
+    assert not any("tampered_relay" in schedule(s).attacks or "tampered_relay" in schedule(LARGE_SEEDS + s).attacks
+                   for s in range(200))
 
 
 @pytest.mark.parametrize("argv", [["--peers", "-1"], ["--target", "1"], ["--search", "--budget", "0"],

@@ -23,7 +23,7 @@ A, B = (Identity.generate().peer_id for _ in range(2))
 def header(kind: str = "part", **fields: Any) -> dict[str, Any]:
     base = {"type": kind, "run": RUN, "round": 1, "base": RUN}
     if kind == "part":
-        base.update(group=RUN, shard=0, digest="0" * 32)
+        base.update(group=RUN, shard=0, digest="0" * 32, sig="")
     return {**base, **fields}
 
 

@@ -33,7 +33,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
         "view": {"members": [PEER, PEER2], "excluded": [], "closed": False, "decided": False, "up": 1200},
         "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False, "ready": True, "closed": True,
                        "up": 0},
-        "part": {"group": HEX, "shard": 1, "digest": HEX[:32]},
+        "part": {"group": HEX, "shard": 1, "digest": HEX[:32], "sig": ""},
         "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
                    "probation": [PEER2], "sig": HEX * 2},
         "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
