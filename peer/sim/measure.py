@@ -78,16 +78,19 @@ def bandwidth_bound(ups: list[float], downs: list[float], nbytes: int, audit: bo
     """The least seconds a group's all-reduce can take over its members' links (bytes/s up and
     down), each member reducing a share s_i of the vector (sum 1, any split): it uploads its parts
     of the others' shards (to reducer and auditor) and its shards' results to the n - 1 others,
-    and downloads the parts of the shards it reduces and audits and the others' results. Found by
-    bisection on the time; the split is continuous, so no real assignment does better."""
+    and downloads the parts of the shards it reduces and audits and the others' results. Members
+    that reduce nothing (the z slowest uplinks, any z that leaves two reducers) send their parts
+    once, to the reducers, which relay them to the auditors (protocol 8): a reducer also uploads z
+    parts of its share. Found by bisection on the time, the least over z; the split is continuous,
+    so no real assignment does better."""
     n, a = len(ups), (2 if audit and len(ups) > 2 else 1)
     if n < 2:
         return 0.0
     b = float(nbytes)
-    up = (a * b, b * (n - 1) - a * b)  # bytes = c0 + c1 * s
-    down = (b, a * b * (n - 1) - b)
+    down = (b, a * b * (n - 1) - b)  # bytes = c0 + c1 * s
+    by_up = sorted(range(n), key=lambda i: ups[i])
 
-    def share_range(cap_up: float, cap_down: float) -> tuple[float, float] | None:
+    def share_range(up: tuple[float, float], cap_up: float, cap_down: float) -> tuple[float, float] | None:
         lo, hi = 0.0, 1.0
         for (c0, c1), cap in ((up, cap_up), (down, cap_down)):
             if c1 > 0:
@@ -98,17 +101,24 @@ def bandwidth_bound(ups: list[float], downs: list[float], nbytes: int, audit: bo
                 return None
         return (lo, hi) if lo <= hi else None
 
-    def feasible(t: float) -> bool:
-        ranges = [share_range(t * u, t * d) for u, d in zip(ups, downs, strict=True)]
+    def feasible(t: float, z: int) -> bool:
+        senders = set(by_up[:z])
+        if any(t * ups[i] < b or t * downs[i] < b for i in senders):  # its parts once; the results
+            return False
+        up = (a * b, b * (n - 1) - a * b + z * b)  # (+ the senders' parts of our share, relayed)
+        ranges = [share_range(up, t * ups[i], t * downs[i]) for i in range(n) if i not in senders]
         if any(r is None for r in ranges):
             return False
         return sum(r[0] for r in ranges if r) <= 1.0 <= sum(r[1] for r in ranges if r)
 
-    lo, hi = 0.0, 4 * b * n / min(min(ups), min(downs))
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
+    def least(z: int) -> float:
+        lo, hi = 0.0, 4 * b * n / min(min(ups), min(downs))
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid, z) else (mid, hi)
+        return hi
+
+    return min(least(z) for z in range(0, (n - 2 if a == 2 else 0) + 1))
 
 
 def over_bandwidth_bound(result: Result) -> float | None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import swarm as bench
+from hivetrain.peer.sim.measure import bandwidth_bound
 from hivetrain.peer.sim.search import LARGE_SEEDS, MAX_CONTAINER, RELAY_SEEDS, check, schedule
 from hivetrain.peer.sim.swarm import Scenario, simulate
 
@@ -83,3 +84,12 @@ def test_the_invariants_see_a_group_without_an_honest_majority_and_an_unbounded_
     assert measured["I4_completed_fraction"] == 1.0
     result.peers[0].incarnations[-1].averager.planted = dict.fromkeys(range(MAX_CONTAINER + 1))
     assert any(inv == "I5" and "planted" in why for inv, why in check(result)[0])
+
+
+def test_the_bandwidth_bound_lets_a_slow_member_send_its_parts_once() -> None:
+    b, fast, slow = 8_000_000, 12.5e6, 2.5e6
+    equal = bandwidth_bound([fast] * 8, [fast] * 8, b, audit=True)
+    assert equal == pytest.approx(21 / 8 * b / fast, rel=1e-3)  # parts twice (7/8 each), results 7 x 1/8: all reduce
+    one_slow = bandwidth_bound([fast] * 7 + [slow], [fast] * 7 + [slow], b, audit=True)
+    assert one_slow == pytest.approx(b / slow, rel=1e-3)  # it sends once (relayed), and downloads the results once
+    assert bandwidth_bound([fast, slow], [fast, slow], b, audit=True) == pytest.approx(b / slow, rel=1e-3)  # a pair
