@@ -39,6 +39,7 @@ make honest peers derive different designees (their rounds then fork; fork choic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -254,6 +255,7 @@ class Desk:
         self._planning: asyncio.Future[Plan] | None = None
         self.work: dict[tuple[int, int], _Unit] = {}
         self.waiting: set[str] | None = None  # peers whose groups our means wait for (None: board not read yet)
+        self.changed = asyncio.Event()  # set when a group or a word arrives, or ``waiting`` is read anew
         self._poller: asyncio.Task[None] | None = None
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
@@ -305,6 +307,7 @@ class Desk:
             same = (header["result"], members) == (entry.result, entry.members) and \
                 (header["weight"] == entry.weight or entry.weight == 0)
             entry.attested, entry.attester = bool(header["ok"]) and same, sender
+            self.changed.set()
             return Code.OK, ""
         codec = self.ctx.codec.for_results(header["enc"])
         if body and len(body) != self.sub_nbytes(k, j, codec):
@@ -323,6 +326,7 @@ class Desk:
             unit.first = clock.now()
             unit.task = asyncio.ensure_future(self._finish(k, j, unit))
         self._watch()
+        self.changed.set()
         return Code.OK, ""
 
     def _watch(self) -> None:
@@ -353,6 +357,7 @@ class Desk:
             held.update(fresh)  # (a bucket whose read failed keeps what we had)
             if held:
                 self.waiting = self.waited([r for rs in held.values() for r in rs])
+                self.changed.set()
             await asyncio.sleep(POLL)
 
     def waited(self, records: Sequence[Ready]) -> set[str]:
@@ -389,7 +394,10 @@ class Desk:
                                for e in unit.entries.values())
                 if self.waiting is not None and self.waiting <= covered and attested:
                     break
-                await asyncio.sleep(min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
+                self.changed.clear()  # (every unit's task clears it: each then looks again within POLL / 2)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(),
+                                           min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
             header, body = await asyncio.to_thread(self._mean, k, j, list(unit.entries.values()))
             unit.out = (header, body)

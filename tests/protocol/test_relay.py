@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.averaging.delivery import Outbox
 from hivetrain.peer.averaging.rates import Rates
 from hivetrain.peer.averaging.simulation import LocalSwarm
 from tests.protocol.harness import BASE, NUMEL, PIECES, assert_identical, deltas, spec, story
@@ -145,5 +146,29 @@ def test_a_reducer_that_says_it_refused_a_pledged_part_leaves_its_shard_unverifi
             assert shard.verdict is not None and not shard.verdict.ok, k
             assert s.bounds[k] in done[0].void_ranges, (k, story(results))
         assert not any(slow in p.ctx.bans or who in p.ctx.bans for p in swarm.peers)
+    finally:
+        swarm.close()
+
+
+def test_each_reducer_puts_the_relayed_parts_before_its_result_of_the_shard(monkeypatch: Any) -> None:
+    """The auditor's verdict on a shard waits for the relayed parts, every member's use of the result
+    waits for the verdict: the relay of a shard goes out before its result, not after the reducer's
+    other shards' relays (the slow member's tail, docs/BENCHMARKS.md)."""
+    put: list[tuple[str, str, int, str]] = []  # (sender, type, shard, member)
+    real = Outbox.put
+
+    def recording(self: Outbox, peer: str, header: dict[str, Any], body: bytes, strict: bool) -> None:
+        if header["type"] in ("relay", "result"):
+            put.append((self.ctx.me, header["type"], header["shard"], header.get("member", "")))
+        real(self, peer, header, body, strict)
+
+    monkeypatch.setattr(Outbox, "put", recording)
+    swarm = swarm_with_a_slow_member()
+    try:
+        assert_identical(swarm.all_reduce(0, BASE, deltas(N)), members=N)
+        slow, s = swarm.ids()[SLOW], session(swarm, 0)
+        for k in range(s.units):
+            sent = [(kind, member) for me, kind, shard, member in put if me == s.reducer(k) and shard == k]
+            assert ("relay", slow) in sent and sent.index(("relay", slow)) < sent.index(("result", "")), (k, sent)
     finally:
         swarm.close()
