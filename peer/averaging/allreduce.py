@@ -296,7 +296,8 @@ class AllReduceRunner:
 
     async def _vouch_one(self, k: int, j: int, header: dict[str, Any]) -> None:
         """Our word on sub-piece (k, j), until a designee takes it or its mean is here. A designee
-        that has not received the reducer's sub-piece answers NOT_READY, and the reducer may have
+        that has not received the reducer's sub-piece yet holds our word for it (cross.py
+        ``MAX_EARLY_WORDS``); past that bound it answers NOT_READY, and the reducer may have
         given it to another (one it could reach and we cannot, or the next after a silent one):
         asked again until the deadline, such a designee held our round open until then, the mean
         long arrived (seen in bench.utilization and in the simulator). Once the mean is here the

@@ -72,6 +72,7 @@ MIN_SUB_VALUES = 1024  # values per sub-piece, at least (below, the messages cos
 RANKS = 3  # designees per sub-piece: the first, and who takes over when it cannot be reached
 MAX_DESIGNEES = 4096  # ready records a plan reads
 MAX_CROSS_GROUPS = 256  # group results one sub-piece takes (one per group)
+MAX_EARLY_WORDS = 2 * MAX_CROSS_GROUPS  # words held per sub-piece before their groups' sub-pieces arrive
 POLL = 0.5  # s between board reads while a designee waits for groups
 LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most its designee waits for the others
 _CROSS = b"hivetrain-cross-v1\0"
@@ -238,6 +239,8 @@ class _Unit:
     out: tuple[dict[str, Any], bytes] | None = None  # the signed mean, once computed
     closed: bool = False
     task: asyncio.Task[None] | None = None
+    early: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (group, sender) -> a word
+    # that came before its group's sub-piece (the reducer's upload is still on its way): taken when it comes
 
 
 class Desk:
@@ -298,16 +301,18 @@ class Desk:
         if header["attest"]:
             if body:
                 return Code.WRONG_SIZE, "an attestation has no body"
-            if entry is None:
-                return Code.NOT_READY, "its reducer's sub-piece has not arrived yet"
+            if entry is None:  # held until the sub-piece comes (a bounded number; past it, asked again)
+                if (group, sender) in unit.early:
+                    return Code.DUPLICATE, ""
+                if len(unit.early) >= MAX_EARLY_WORDS:
+                    return Code.NOT_READY, "its reducer's sub-piece has not arrived yet"
+                unit.early[(group, sender)] = header
+                return Code.OK, ""
             if sender == entry.holder or sender not in entry.members:
                 return Code.WRONG_ROLE, "an attestation comes from another member of the group"
             if entry.attested is not None:
                 return (Code.DUPLICATE, "") if entry.attester == sender else (Code.DUPLICATE, "attested already")
-            same = (header["result"], members) == (entry.result, entry.members) and \
-                (header["weight"] == entry.weight or entry.weight == 0)
-            entry.attested, entry.attester = bool(header["ok"]) and same, sender
-            self.changed.set()
+            self._attest(entry, sender, header)
             return Code.OK, ""
         codec = self.ctx.codec.for_results(header["enc"])
         if body and len(body) != self.sub_nbytes(k, j, codec):
@@ -320,14 +325,26 @@ class Desk:
         if len(unit.entries) >= MAX_CROSS_GROUPS:
             return Code.BUSY, "too many groups for one sub-piece"
         banned = sender in self.ctx.bans  # we caught its reducer misbehaving: its group gets the means, without its values
-        unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"],
-                                     b"" if banned else body, header["enc"], header["result"])
+        entry = unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"],
+                                             b"" if banned else body, header["enc"], header["result"])
+        for (g, attester), word in list(unit.early.items()):  # the first word held for it from another member
+            if g == group:
+                del unit.early[(g, attester)]
+                if entry.attested is None and attester != sender and attester in members:
+                    self._attest(entry, attester, word)
         if unit.task is None:
             unit.first = clock.now()
             unit.task = asyncio.ensure_future(self._finish(k, j, unit))
         self._watch()
         self.changed.set()
         return Code.OK, ""
+
+    def _attest(self, entry: _Entry, sender: str, header: dict[str, Any]) -> None:
+        """Another member's word on ``entry``: approved if it names the same bytes, group and weight."""
+        same = (header["result"], frozenset(header["members"])) == (entry.result, entry.members) and \
+            (header["weight"] == entry.weight or entry.weight == 0)
+        entry.attested, entry.attester = bool(header["ok"]) and same, sender
+        self.changed.set()
 
     def _watch(self) -> None:
         if self._poller is None:

@@ -3,13 +3,18 @@ groups a designee's means wait for."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from types import SimpleNamespace
 
+import torch
+
 from hivetrain.dht import clock
-from hivetrain.peer.averaging.cross import Desk, derive
+from hivetrain.peer.averaging.api import shard_bounds
+from hivetrain.peer.averaging.cross import MAX_EARLY_WORDS, Desk, derive
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.net.wire import ZERO
+from hivetrain.peer.net.wire import ZERO, Code
 
 RUN, BASE, OTHER = "a" * 64, "b" * 64, "c" * 64
 
@@ -86,3 +91,42 @@ def test_an_out_record_carries_its_group_signed_and_a_plain_one_stays_as_it_was(
     back = verified(plain)
     assert back is not None and not back.out and back.group == ()
     assert b"group" not in plain.payload  # (records of peers that never fail are as small as before)
+
+
+def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_it_comes() -> None:
+    """An attester's word (no body) usually arrives before its reducer's upload: held, not refused
+    (refused, the attester asked again after pauses of up to 0.3 s; bench.swarm --slow-member)."""
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me="p1", codec=spec.codec(), bans=set())
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = derive([ready("p1", clock.wall())], 3, BASE, RUN, units_=8, numel=1 << 16)
+    group, members = "g" * 64, ["r", "a", "m"]
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = d.plan.sub_bounds(start, end)[0]
+    body = ctx.codec.for_results(3).encode(torch.randn(b - a))
+    result = hashlib.sha256(body).hexdigest()
+
+    def header(shard: int, attest: bool, names: list[str], group: str = group) -> dict[str, object]:
+        return {"type": "cross", "shard": shard, "sub": 0, "members": names, "weight": 3, "result": result,
+                "enc": 3, "attest": attest, "ok": True, "group": group}
+
+    async def go() -> None:
+        try:
+            # a word from outside the group (it names itself a member) first, then the attester's
+            assert (await d.accept("x", header(0, True, [*members, "x"]), b""))[0] == Code.OK
+            assert (await d.accept("a", header(0, True, members), b""))[0] == Code.OK
+            assert (await d.accept("a", header(0, True, members), b""))[0] == Code.DUPLICATE
+            assert d.work[(0, 0)].entries == {}  # held, nothing counted yet
+            assert (await d.accept("r", header(0, False, members), body))[0] == Code.OK
+            entry = d.work[(0, 0)].entries[group]
+            assert entry.attested is True and entry.attester == "a" and entry.counts()
+            assert not d.work[(0, 0)].early  # the held words are gone with it
+            # the words held for one sub-piece are bounded: past the bound the sender is asked to come again
+            for i in range(MAX_EARLY_WORDS):
+                assert (await d.accept("a", header(1, True, members, group=f"{i:064x}"), b""))[0] == Code.OK
+            code, why = await d.accept("a", header(1, True, members, group="f" * 64), b"")
+            assert code == Code.NOT_READY and "not arrived" in why
+        finally:
+            d.stop()
+
+    asyncio.run(go())
