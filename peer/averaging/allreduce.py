@@ -664,3 +664,11 @@ async def first_failure(*work: Coroutine[Any, Any, None]) -> None:
         for t in tasks:
             if not t.done():
                 t.cancel()
+                # one that ends with its own error while being cancelled (its deadline passed): not a
+                # second failure of the round, and not "Task exception was never retrieved" in the log
+                t.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
