@@ -149,6 +149,9 @@ class RoundSession:
         self.cross_on = units is not None  # the cross-group stage follows (peer/averaging/cross.py)
         self.plan: Plan | None = None  # the round's designees, once derived (cross stage)
         self.cross: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}  # (shard, sub) -> signed mean
+        # (shard, sub) -> (forwarder, header): a mean that is our group's own result, forwarded without its
+        # bytes before the result itself reached us (it overtakes the megabyte): taken when the result comes
+        self.early_cross: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
         self.slots = rates.deal(self.reducers, rates.weights(self.reducers, self.claims), self.units)
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
@@ -257,6 +260,9 @@ class RoundSession:
         assert self.plan is not None
         k = header["shard"]
         if not body and header["result"] != VOID:  # forwarded without its bytes: our group's own result, passed through
+            if self.shards[k].result is None and sender == self.reducer(k):  # (one per sub-piece: admit_cross)
+                self.early_cross.setdefault((k, header["sub"]), (sender, header))
+                return Code.OK, ""
             if self.shards[k].result is None or self.shards[k].result_hash != header["result"]:
                 return Code.NOT_READY, f"the result of shard {k} it stands for has not reached us"
             body = self.shards[k].result
@@ -412,6 +418,10 @@ class RoundSession:
             shard = self.shards[k]
             shard.result, shard.result_hash, shard.result_sig = body, header["result"], bytes.fromhex(header["sig"])
             shard.commits, shard.claims, shard.excluded = header["parts"], header["probation"], header["excluded"]
+            for (held_k, j) in [key for key in self.early_cross if key[0] == k]:
+                forwarder, mean = self.early_cross.pop((held_k, j))
+                if shard.result_hash == mean["result"]:  # (else it stands for another result: never taken)
+                    self.deposit_cross(forwarder, mean, b"")
         elif kind == "audit":
             self.shards[k].verdict = Verdict(header["ok"], header["result"], header["finding"], header["reason"],
                                              bytes.fromhex(header["sig"]))

@@ -10,6 +10,7 @@ import pytest
 
 from hivetrain.dht.records import bucket_of, heartbeat_bucket
 from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.net.wire import Code
 from hivetrain.peer.sim.attacks import LIBRARY, banned
 from hivetrain.peer.sim.measure import row
 from hivetrain.peer.sim.search import RELAY_SEEDS, check, schedule
@@ -232,3 +233,30 @@ def test_a_reducer_tampering_with_relayed_parts_is_caught_and_honest_peers_agree
     assert any("relayed an altered part" in why for _, _, why in banned(result)), banned(result)  # ... and was caught
     violations, measured = check(result)  # (the round it happened in voids for its group: I2 is not 1 there)
     assert not violations, (violations, measured)
+
+
+def test_a_forwarded_mean_that_overtakes_its_result_is_held_until_the_result_comes(monkeypatch: Any) -> None:
+    # a group's own mean is forwarded without its bytes (a header): on a member's slow downlink it
+    # overtakes the megabyte of the result it stands for; refused NOT_READY, the forwarder asked again
+    # after pauses of up to 0.3 s (seen in bench.swarm --slow-member's trace, 2026-12-04)
+    from hivetrain.peer.averaging.session import RoundSession
+
+    real = RoundSession.deposit_cross
+    held, refused = [], []
+
+    def recording(self: RoundSession, sender: str, header: dict[str, Any], body: bytes) -> Any:
+        code, why = real(self, sender, header, body)
+        if not body and (header["shard"], header["sub"]) in getattr(self, "early_cross", {}):
+            held.append((self.me, header["shard"]))
+        if code == Code.NOT_READY:
+            refused.append(why)
+        return code, why
+
+    monkeypatch.setattr(RoundSession, "deposit_cross", recording)
+    sc = Scenario(peers=6, target=6, rounds=3, slow_fraction=1 / 6, mbit=10.0, slow_mbit=2.0, numel=1 << 19, seed=2)
+    result = simulate(sc)
+    assert not refused, refused[:3]
+    assert held, "no forwarded mean came before its result"  # the case happened
+    for r in range(3):
+        recs = [rounds_of(result, i)[r] for i in range(6)]
+        assert all(not rec["void"] for rec in recs) and len({rec["state_hash"] for rec in recs}) == 1, recs
