@@ -6,7 +6,7 @@ Usage (from the repository root)::
     python -m bench.swarm --peers N [--target T] [--jitter S] [--slow F]   # one configuration
     python -m bench.swarm --search --budget SECONDS [--seed S] [--json]    # the attack search
     python -m bench.swarm --replay SEED                                    # one schedule of the search, told
-    python -m bench.swarm --slow-member [--numel N] [--rounds R]           # one member at 1/5 of the uplink
+    python -m bench.swarm --slow-member [--numel N] [--rounds R] [--piece-values V]   # one member at 1/5 of the uplink
 
 Every row is one simulated run (peer/sim/swarm.py): N real peers (averager, matchmaking, ready board,
 heartbeats, dial-back, state serving and sync, fork choice, the round loop) on one virtual clock,
@@ -31,6 +31,8 @@ unless ``--numel``) twice in the same seed: with equal shares (the roles before 
 with shares by claimed uplink (peer/averaging/rates.py: the slow member only sends); it prints the
 all-reduce time over the bandwidth-weighted bound (peer/sim/measure.py ``bandwidth_bound``) of
 each, per round after the first (the first has no measured rates yet), and their ratio.
+``--piece-values``: the run spec's ``piece_values`` (default the spec's, 2^21: at 8M values and 8
+members that is one piece per member, so nothing is pipelined within a member's share).
 
 ``--search`` runs random attack schedules (peer/sim/search.py) until the budget is spent and
 prints each broken invariant with the seed that reproduces it; ``--replay SEED`` reruns one and
@@ -130,7 +132,8 @@ def run_slow_member(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for equal in (True, False):
         sc = Scenario(peers=8, target=8, slow_fraction=1 / 8, mbit=100.0, slow_mbit=20.0, numel=numel,
-                      rounds=rounds, seed=args.seed, equal_shares=equal)
+                      rounds=rounds, seed=args.seed, equal_shares=equal,
+                      spec=(("piece_values", args.piece_values),) if args.piece_values else ())
         result = simulate(sc, progress=Progress())
         slow = min(result.peers, key=lambda p: result.net.rates.get(p.id, 0.0)).index
         later = [(i, rec) for i, rec in result.records if rec.get("event") == "round" and rec["round"] >= 1
@@ -256,11 +259,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--real-json", default=None, help="--calibrate: bench.utilization --json output to compare with")
     ap.add_argument("--slow-member", action="store_true",
                     help="one group, one member at 1/5 of the uplink: equal shares against shares by uplink")
+    ap.add_argument("--piece-values", type=int, default=0,
+                    help="--slow-member: the run spec's piece_values (default: the spec's own)")
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule of the search")
     args = ap.parse_args(argv)
     if args.peers < 0 or args.rounds < 0 or args.numel < 1024 or args.budget <= 0 or args.target < 2 or not 0 <= args.slow <= 1 \
-            or args.jitter < 0:
-        ap.error("--peers/--rounds must be >= 0, --numel >= 1024, --target >= 2, --budget > 0, --slow in [0, 1], --jitter >= 0")
+            or args.jitter < 0 or not (args.piece_values == 0 or 1024 <= args.piece_values <= 1 << 30):
+        ap.error("--peers/--rounds must be >= 0, --numel >= 1024, --target >= 2, --budget > 0, --slow in [0, 1], "
+                 "--jitter >= 0, --piece-values in [1024, 2^30]")
     return args
 
 
