@@ -40,6 +40,11 @@ def test_pieces_per_member_exact_values_and_cap() -> None:
     assert pieces_per_member(6000, 3, 2000) == 1
     assert pieces_per_member(6001, 3, 2000) == 2  # 2001 values do not fit one piece
     assert pieces_per_member(25_000_000, 3, 1 << 21) == 4
+    # a share is cut in at least 4 pieces where each keeps 128K values: 8M values over 8 members is 4
+    # pieces of 250K, not one of 1M (a share in one piece is not pipelined); below 2 x 128K, one piece
+    assert pieces_per_member(8_000_000, 8, 1 << 21) == 4
+    assert pieces_per_member(869_504, 3, 1 << 21) == 2  # the tiny preset in a group of 3
+    assert pieces_per_member(200_000, 1, 1 << 21) == 1
     assert pieces_per_member(0, 3, 1024) == 1 and pieces_per_member(5, 8, 1024) == 1
     assert pieces_per_member(10**10, 64, 1024) == MAX_PIECES // 64  # bounded: at most MAX_PIECES in a round
     assert pieces_per_member(10**10, 3, 1024) * 3 <= MAX_PIECES
