@@ -405,7 +405,7 @@ class Desk:
         (a group that died in the cross stage: the others go on without it)."""
         patience = LONG_WAIT * self.ctx.spec.allreduce_timeout
         try:
-            while clock.now() < unit.first + patience:
+            while unit.first + patience - clock.now() > clock.EPSILON:
                 covered = set().union(*(e.members for e in unit.entries.values()))
                 attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0
                                for e in unit.entries.values())

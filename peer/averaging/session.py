@@ -465,7 +465,7 @@ class RoundSession:
         """Waits until ``ready()`` (re-checked whenever a message arrives); RoundFailed past ``deadline``."""
         while not ready():
             remaining = deadline - clock.now()
-            if remaining <= 0:
+            if remaining <= clock.EPSILON:
                 raise RoundFailed(f"deadline passed waiting for the {what}", dict(self.culprits))
             self.arrived.clear()
             try:
