@@ -97,7 +97,6 @@ class AllReduceRunner:
         self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
-        self.relays: set[tuple[int, str]] = set()  # (shard, member): relayed parts put in our outbox
         self.outbox = Outbox(ctx, session.round, session.deadline)  # our messages of the round, per member in order
 
     async def run(self, delta: torch.Tensor) -> Outcome:
@@ -390,8 +389,6 @@ class AllReduceRunner:
             s.arrived.set()
             if i == 0:
                 ctx.behaviour.at("before_results", s.round)
-            for member in sorted(s.relayed):  # (its part is in: has_parts)
-                self._put_relay(k, member)
             self._send_result(k)
 
     def _send_result(self, k: int) -> None:
@@ -428,29 +425,20 @@ class AllReduceRunner:
         await asyncio.gather(*(self._relay(m) for m in s.order if m in s.relayed))
 
     async def _relay(self, member: str) -> None:
-        s = self.session
+        s, ctx = self.session, self.ctx
         for k in s.mine:
-            shard = s.shards[k]
+            shard, auditor = s.shards[k], s.auditor(k)
             await s.wait_for(lambda: member in shard.parts or member in shard.invalid,  # noqa: B023 (awaited here)
                              s.deadline, f"the part of {member} of shard {k}")
-            self._put_relay(k, member)
-
-    def _put_relay(self, k: int, member: str) -> None:
-        """The part of ``member`` (relayed) of our shard ``k``, once, to the shard's auditor. Put before
-        our result of the shard (``_reduce_all``): the auditor's verdict waits for it, the members'
-        results wait for the verdict."""
-        s, ctx = self.session, self.ctx
-        shard, auditor = s.shards[k], s.auditor(k)
-        if (k, member) in self.relays or auditor is None or auditor == member:
-            return
-        self.relays.add((k, member))
-        held = shard.parts.get(member)
-        part = None if held is None else ctx.behaviour.relay_for(s.round, k, member, held)
-        if held is None or part is None:
-            header = self._header("relay", k, member=member, digest="", sig="")
-        else:
-            header = self._header("relay", k, member=member, digest=digest(held), sig=shard.sigs[member].hex())
-        self.outbox.put(auditor, header, part or b"", strict=False)
+            if auditor is None or auditor == member:
+                continue
+            held = shard.parts.get(member)
+            part = None if held is None else ctx.behaviour.relay_for(s.round, k, member, held)
+            if held is None or part is None:
+                header = self._header("relay", k, member=member, digest="", sig="")
+            else:
+                header = self._header("relay", k, member=member, digest=digest(held), sig=shard.sigs[member].hex())
+            self.outbox.put(auditor, header, part or b"", strict=False)
 
     async def _audit_all(self) -> None:
         for k in self.session.audited:
