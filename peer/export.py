@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 
+from hivetrain.dht.identity import parse_run_key
 from hivetrain.peer.config import ModelConfig, RunSpec
 from hivetrain.peer.errors import ConfigError, StateMismatch
 from hivetrain.peer.state import checkpoint
@@ -174,7 +175,14 @@ def _export_hf(spec: RunSpec, run_key: str, ckpt_dir: str, out: Path) -> dict[st
 
 
 def export_run(run_key: str, state_dir: str, out_dir: str) -> dict[str, Any]:
-    """Writes the folder (see the module doc); returns what it wrote. Raises ConfigError / StateMismatch."""
+    """Writes the folder (see the module doc); returns what it wrote. Raises ConfigError / StateMismatch.
+    The key names files in the state folder, so it must be a run key (no ``/`` or ``..``) before
+    anything is opened; keys are case-insensitive, as everywhere."""
+    run_key = run_key.strip().lower() if isinstance(run_key, str) else run_key
+    try:
+        parse_run_key(run_key)
+    except ValueError as e:
+        raise ConfigError(f"--run: {e}") from None
     ckpt_dir = os.path.join(os.path.expanduser(state_dir), "checkpoints")
     spec = load_spec(ckpt_dir, run_key)
     out = Path(out_dir).expanduser()

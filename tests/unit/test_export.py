@@ -69,4 +69,19 @@ def test_export_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
                           str(tmp_path / "y"), "--state-dir", str(state)], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ))
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().startswith("error: no checkpoint of run nope.x"), out.stderr
+    assert out.stderr.strip().startswith("error: --run: run key 'nope.x' is malformed"), out.stderr
+
+
+def test_export_takes_only_a_run_key_and_ignores_its_case(tmp_path: Path) -> None:
+    """The key names files in the state folder: a path in its place (review N15) must not reach them."""
+    spec, _, state = _trained_state(tmp_path)
+    planted = tmp_path / "elsewhere"
+    planted.mkdir()
+    save_spec(str(planted), "planted", spec)  # a spec outside the state folder, as an attacker would leave it
+    assert (planted / "planted.spec.json").exists()
+    for key in ("../../elsewhere/planted", f"../checkpoints/{RUN}", "exp-tiny.x/../" + RUN.split(".")[1]):
+        with pytest.raises(ConfigError, match="is malformed"):
+            export_run(key, str(state), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    done = export_run(f"  {RUN.upper()} ", str(state), str(tmp_path / "upper"))  # as pasted, in capitals
+    assert done["round"] == 12 and (tmp_path / "upper" / "model.safetensors").exists()
