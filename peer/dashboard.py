@@ -9,7 +9,10 @@
 
 It binds to loopback unless told otherwise (``public``). On another address it shows only what the
 run's peers publish anyway (heartbeats): this peer's own records (its losses, bytes, utilization)
-and its id stay local. The run's numbers come from ``RunWatcher``, which reads the DHT every few
+and its id stay local. The server is bounded: at most MAX_CONNECTIONS open at once (one more is
+closed at once), each closed after IDLE_S without a complete request, and on loopback a request
+whose ``Host`` is not a loopback name is refused (a web page that rebinds its own name to
+127.0.0.1 cannot read a local dashboard). The run's numbers come from ``RunWatcher``, which reads the DHT every few
 seconds on its own thread; the training thread is never asked for anything but its round records.
 """
 
@@ -31,6 +34,8 @@ from prometheus_client.registry import Collector
 from hivetrain.dht.errors import DHTError
 from hivetrain.peer.errors import ConfigError, PeerError
 
+MAX_CONNECTIONS = 16  # served at once; each is one thread of the training process
+IDLE_S = 5.0  # seconds a connection may take to send its request (and to read the answer)
 HISTORY = 2000  # round records and run samples kept for the charts (oldest dropped first)
 REFRESH = 5.0  # seconds between DHT reads of the run's records
 
@@ -50,6 +55,52 @@ def parse_bind(value: str, public: bool) -> tuple[str, int]:
         raise ConfigError(f"--dashboard {value}: not a loopback address; add --dashboard-public to serve the "
                           "run's public data on it (this peer's own records stay local)")
     return host, int(port)
+
+
+def loopback_host(header: str | None) -> bool:
+    """Whether a ``Host`` header names this machine by a loopback name (port optional)."""
+    if not header:
+        return False
+    host = header.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: one more is closed unanswered."""
+
+    daemon_threads = True
+    request_queue_size = 64  # (listen backlog: a burst waits here, then is served or closed)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class RunWatcher:
@@ -184,9 +235,13 @@ class Dashboard:
         dashboard = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = IDLE_S  # (StreamRequestHandler sets it on the socket: an idle connection ends)
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
-                if path == "/":
+                if not dashboard.public and not loopback_host(self.headers.get("Host")):
+                    self._send(421, "text/plain", b"this dashboard answers only to a loopback host name\n")
+                elif path == "/":
                     self._send(200, "text/html; charset=utf-8", PAGE.encode())
                 elif path == "/api/status":
                     self._send(200, "application/json", json.dumps(dashboard.data()).encode())
@@ -207,10 +262,9 @@ class Dashboard:
                 pass  # no line per request in the peer's output
 
         try:
-            self.server = ThreadingHTTPServer(bind, Handler)
+            self.server = _BoundedServer(bind, Handler)
         except OSError as e:
             raise ConfigError(f"--dashboard {bind[0]}:{bind[1]}: cannot listen there ({e.strerror or e})") from None
-        self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, name="hivetrain-dashboard", daemon=True)
 
     @property

@@ -3,11 +3,17 @@ locally and publicly, and its Prometheus exposition."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import socket
+import threading
+import time
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hivetrain.peer import dashboard as dashboard_module
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind, snapshot
 from hivetrain.peer.errors import ConfigError
@@ -79,3 +85,56 @@ def test_a_port_in_use_is_one_clear_error() -> None:
             Dashboard(("127.0.0.1", first.server.server_address[1]), None)
     finally:
         first.stop()
+
+
+def _get(port: int, host: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/api/status", headers={"Host": host})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_a_local_dashboard_answers_only_to_loopback_host_names() -> None:
+    """DNS rebinding (review N11): a page served as attacker.example, its name rebound to 127.0.0.1,
+    sends that name as Host; a loopback dashboard refuses it, a public one has nothing private."""
+    local, public = Dashboard(("127.0.0.1", 0), None).start(), Dashboard(("127.0.0.1", 0), None, public=True).start()
+    try:
+        port = local.server.server_address[1]
+        for host in (f"127.0.0.1:{port}", "localhost", f"localhost:{port}", "[::1]:80", "app.localhost"):
+            assert _get(port, host) == 200, host
+        for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io", ""):
+            assert _get(port, host) == 421, host
+        assert _get(public.server.server_address[1], "attacker.example") == 200
+    finally:
+        local.stop()
+        public.stop()
+
+
+def test_idle_connections_hold_a_bounded_number_of_threads_for_a_bounded_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """60 idle sockets (300 in the review) once pinned as many threads of the training process for good (review N11)."""
+    monkeypatch.setattr(dashboard_module, "IDLE_S", 2.0)
+    board = Dashboard(("127.0.0.1", 0), None).start()
+    port = board.server.server_address[1]
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(60)]
+    try:
+        deadline = time.monotonic() + 10
+        while board.server.refused < 60 - dashboard_module.MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.server.refused >= 60 - dashboard_module.MAX_CONNECTIONS  # the flood happened, and was cut
+        assert threading.active_count() - before <= dashboard_module.MAX_CONNECTIONS
+        while time.monotonic() < deadline:  # the idle ones time out; a real request is served again
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if _get(port, "localhost") == 200:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the dashboard never answered again after the idle connections")
+        assert all(s.recv(1) == b"" for s in idle)  # every idle socket was closed by the server
+    finally:
+        for s in idle:
+            s.close()
+        board.stop()
