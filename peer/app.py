@@ -34,6 +34,7 @@ from hivetrain.peer.train import hf, memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.learner import LMLearner
 from hivetrain.peer.train.loop import MetricsWriter
+from hivetrain.peer.trust import LedgerFile
 
 Say = Callable[[str], None]
 
@@ -266,8 +267,9 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         if opened.tokenizer is not None:
             save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
         metrics = MetricsWriter(options.metrics_file)
-        peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say)), run_key, spec, metrics,
-                    say)
+        ledger = LedgerFile(os.path.join(ckpt_dir, f"{run_key}.trust.json"), run_key, say)
+        peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say), ledger=ledger), run_key,
+                    spec, metrics, say)
         if dashboard is not None:
             board = dashboard
             board.watcher = RunWatcher(lambda: read_status(dht, run_key, spec), warn=say)

@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hivetrain.dht.facade import DHTFacade
 from hivetrain.kernels.error_feedback import ErrorFeedback
@@ -42,6 +42,14 @@ from hivetrain.peer.trust import Bans, Trust
 Say = Callable[[str], None]
 
 
+class Ledger(Protocol):
+    """Where a peer keeps its trust ledger and bans between runs of the process (peer/trust.py)."""
+
+    def load(self, trust: Trust, bans: Bans) -> None: ...
+
+    def save(self, trust: Trust, bans: Bans) -> None: ...
+
+
 @dataclass(frozen=True)
 class Seams:
     """What a real peer and a simulated one do differently."""
@@ -53,6 +61,7 @@ class Seams:
     save: Callable[[Snapshot], None] | None = None  # writes a checkpoint (None: none kept)
     pause: Callable[[float], None] | None = None  # how the training thread waits (None: time.sleep)
     rng: random.Random | None = None  # this peer's randomness (None: the OS's)
+    ledger: Ledger | None = None  # keeps trust and bans across restarts (None: each start is a newcomer's)
 
 
 class Peer:
@@ -65,20 +74,36 @@ class Peer:
         self.spec, self.say = spec, say
         numel = sum(p.numel() for p in seams.learner.model.parameters())
         self.trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
+        bans = Bans()
+        if seams.ledger is not None:
+            seams.ledger.load(self.trust, bans)
         ef = ErrorFeedback(numel) if spec.carries_residual else None
-        ctx = PeerContext(spec, numel, spec.codec(), link, identity, self.trust, Bans(), seams.behaviour, ef)
+        ctx = PeerContext(spec, numel, spec.codec(), link, identity, self.trust, bans, seams.behaviour, ef)
         self.averager = P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
         self.heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say, heartbeat_level(spec))
         self.reachability = Reachability(link, dht, say, self.reached)
         self.service = StateService(spec.spec_hash().hex(), seams.behaviour)
         dht.run(link.serve(self.service.protocol, self.service.server), timeout=10)
         self.sync = StateSync(dht, link, self.service, run_key, numel, seams.rng, heartbeat_level(spec))
-        self.keeper = StateKeeper(self.sync, self.trust, seams.save, timeout=spec.allreduce_timeout * 5,
+        self.keeper = StateKeeper(self.sync, self.trust, self._saver(seams, bans), timeout=spec.allreduce_timeout * 5,
                                   min_round_s=spec.min_round_s, log=say)
         self.keeper.announce = lambda round_, base: self.averager.announce(round_, base, None)
         parts = TrainerParts(spec, identity.peer_id, None, self.averager, metrics, seams.behaviour, self.keeper,
                              self.trust, learner=seams.learner, pause=seams.pause or time.sleep)
         self.trainer = Trainer(parts, log=say, heartbeat=self.heartbeat)
+
+    def _saver(self, seams: Seams, bans: Bans) -> Callable[[Snapshot], None] | None:
+        """What keeps a round boundary: the checkpoint, and the trust it was reached with."""
+        save, ledger = seams.save, seams.ledger
+        if ledger is None:
+            return save
+
+        def keep(snapshot: Snapshot) -> None:
+            if save is not None:
+                save(snapshot)
+            ledger.save(self.trust, bans)
+
+        return keep
 
     def reached(self, verdict: dialback.Verdict) -> None:
         """How others reach us changed: it takes effect at the next round's matchmaking."""

@@ -16,12 +16,23 @@ means it sent a part that passed validation, robust aggregation and the audit, f
   A peer without any history trusts everyone: the first round of a run has nobody to vet.
 
 Owned by the training thread; the averager reads it while the training thread waits for it.
+
+Both the ledger and the bans outlive the process (``LedgerFile``: ``<run key>.trust.json`` next to
+the run's checkpoint, rewritten at every round boundary): a restarted peer is not a newcomer to its
+own run. Without that, every restart (and every peer at once, after a power cut) weighed the run's
+state by counting identities again, and forgot whom it had caught (review N2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import concurrent.futures
+import json
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from hivetrain.dht.identity import PEER_ID_RE
 
 RAMP = 1  # rounds together for full weight (see the module doc for why not more)
 WINDOW = 100  # rounds: trust earned longer ago than this has decayed to nothing
@@ -84,6 +95,27 @@ class Trust:
         """Every peer with a positive weight at ``round_``."""
         return {p: w for p in self._peers if (w := self.weight(p, round_)) > 0}
 
+    def state(self) -> dict[str, Any]:
+        """The ledger as plain data (``restore`` reads it back)."""
+        return {"our_first": self._our_first,
+                "peers": [[p, r.first, r.last, r.together] for p, r in self._peers.items()]}
+
+    def restore(self, data: Any) -> None:
+        """Replaces the ledger with ``state()``'s data; ValueError (and nothing changed) if malformed."""
+        if not isinstance(data, dict) or not isinstance(data.get("peers"), list):
+            raise ValueError("no peers list")
+        our_first = data.get("our_first")
+        if our_first is not None and not _round(our_first):
+            raise ValueError("bad first round")
+        peers: dict[str, _Record] = {}
+        for row in data["peers"][-self.max_known:]:
+            if not (isinstance(row, list) and len(row) == 4 and _peer(row[0]) and all(_round(v) for v in row[1:])
+                    and row[1] <= row[2] and row[3] >= 1):
+                raise ValueError(f"bad entry {str(row)[:80]}")
+            peers.pop(row[0], None)
+            peers[row[0]] = _Record(row[1], row[2], row[3])
+        self._peers, self._our_first = peers, our_first
+
 
 MAX_BANS = 4096  # peers we remember catching; the oldest ban is forgotten first
 
@@ -110,3 +142,85 @@ class Bans:
 
     def why(self, peer: str) -> str | None:
         return self._why.get(peer)
+
+    def state(self) -> list[list[str]]:
+        return [[p, why] for p, why in list(self._why.items())]  # (one C call: safe against another thread's ban)
+
+    def restore(self, data: Any) -> None:
+        """Replaces the bans with ``state()``'s data; ValueError (and nothing changed) if malformed."""
+        if not isinstance(data, list):
+            raise ValueError("no bans list")
+        why: dict[str, str] = {}
+        for row in data[-self.max_bans:]:
+            if not (isinstance(row, list) and len(row) == 2 and _peer(row[0]) and isinstance(row[1], str)):
+                raise ValueError(f"bad ban {str(row)[:80]}")
+            why.pop(row[0], None)
+            why[row[0]] = row[1][:MAX_WHY]
+        self._why = why
+
+
+MAX_WHY = 300  # characters of a ban's reason kept
+LEDGER_VERSION = 1
+MAX_LEDGER_BYTES = 8 * 1024 * 1024  # a full ledger and full bans take about 1.5 MB
+
+
+def _peer(value: Any) -> bool:
+    return isinstance(value, str) and PEER_ID_RE.fullmatch(value) is not None
+
+
+def _round(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**62
+
+
+class LedgerFile:
+    """Keeps a peer's trust ledger and bans of one run in ``path`` (JSON): ``load`` at start, then
+    ``save`` at each round boundary (the training thread snapshots them; a thread of its own writes,
+    atomically: a crash leaves the previous file). An unreadable file is said through ``log`` and
+    left alone (the peer starts as a newcomer, as it would have without it)."""
+
+    def __init__(self, path: str, run_key: str, log: Callable[[str], None]):
+        self.path, self.run_key, self.log = path, run_key, log
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trust-ledger")
+
+    def load(self, trust: Trust, bans: Bans) -> None:
+        """Fills ``trust`` and ``bans`` from the file, if there is a good one."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_LEDGER_BYTES + 1)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self.log(f"warning: cannot read the trust ledger {self.path} ({e.strerror or e}); starting without it")
+            return
+        try:
+            if len(raw) > MAX_LEDGER_BYTES:
+                raise ValueError(f"over {MAX_LEDGER_BYTES} bytes")
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("version") != LEDGER_VERSION or data.get("run") != self.run_key:
+                raise ValueError("not a ledger of this run")
+            fresh_trust, fresh_bans = Trust(trust.max_known), Bans(bans.max_bans)
+            fresh_trust.restore(data.get("trust"))
+            fresh_bans.restore(data.get("bans"))
+        except ValueError as e:  # (json's errors are ValueErrors too)
+            self.log(f"warning: ignoring the trust ledger {self.path} ({str(e)[:120]}); starting without it")
+            return
+        trust.restore(fresh_trust.state())
+        bans.restore(fresh_bans.state())
+        self.log(f"trust ledger: {len(trust)} peers we completed rounds with, {len(bans)} banned")
+
+    def save(self, trust: Trust, bans: Bans) -> None:
+        data = {"version": LEDGER_VERSION, "run": self.run_key, "trust": trust.state(), "bans": bans.state()}
+        self._pool.submit(self._write, json.dumps(data, separators=(",", ":")))
+
+    def _write(self, text: str) -> None:
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self.log(f"warning: could not write the trust ledger ({e})")
+
+    def flush(self) -> None:
+        """Waits for the writes submitted so far."""
+        self._pool.submit(lambda: None).result()

@@ -41,6 +41,7 @@ from hivetrain.peer.sim.green import Crashed, spawn, wait
 from hivetrain.peer.sim.objective import QuadraticLearner
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.train.loop import MetricsWriter
+from hivetrain.peer.trust import Bans, Trust
 
 MBIT = 125_000.0  # bytes/s in one Mbit/s
 LOG_LINES = 64  # lines of its own log each simulated peer keeps (for a failure's story)
@@ -135,6 +136,7 @@ class SimPeer:
         self.task: asyncio.Task[Any] | None = None
         self.alive = False
         self.done = False  # trained to the run's last round
+        self.ledger: tuple[dict[str, Any], list[list[str]]] | None = None  # its trust file (survives restarts)
         self.gone = False  # crashed for good (no restart planned): the run does not wait for it
         self.failed: BaseException | None = None
         self.log: deque[str] = deque(maxlen=LOG_LINES)
@@ -199,7 +201,8 @@ class SimPeer:
         me = self.starts  # after a crash, what this incarnation's code still does on its way down is lost
         seams = Seams(self.dht, link, learner, self.behaviour,
                       save=lambda snapshot: self._save(snapshot) if self._live(me) else None, pause=self._pause,
-                      rng=random.Random(f"{sc.seed}/{self.index}/{self.starts}"))
+                      rng=random.Random(f"{sc.seed}/{self.index}/{self.starts}"),
+                      ledger=_DiskLedger(self, lambda: self._live(me)))
         self.peer = Peer(seams, self.swarm.run_key, self.swarm.spec,
                          SimMetrics(lambda record: self._record(record) if self._live(me) else None),
                          lambda line: self._say(line) if self._live(me) else None)
@@ -232,6 +235,22 @@ class SimPeer:
                 record = dict(record, reducers=[session.reducer(k) for k in range(session.units)],
                               auditors=[session.auditor(k) if session.audit else None for k in range(session.units)])
         self.swarm.record(self, record)
+
+
+class _DiskLedger:
+    """A simulated peer's trust ledger file: it survives the peer's restarts, as a real one's does."""
+
+    def __init__(self, peer: SimPeer, live: Callable[[], bool]):
+        self.peer, self.live = peer, live
+
+    def load(self, trust: Trust, bans: Bans) -> None:
+        if self.peer.ledger is not None:
+            trust.restore(self.peer.ledger[0])
+            bans.restore(self.peer.ledger[1])
+
+    def save(self, trust: Trust, bans: Bans) -> None:
+        if self.live():  # (a crashed incarnation writes nothing)
+            self.peer.ledger = (trust.state(), bans.state())
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) ->
     assert crashy.proc.returncode == -signal.SIGKILL
     checkpoint = tmp_path / "crashy-state" / "checkpoints" / f"{info['run_key']}.ckpt"
     assert checkpoint.exists()
+    assert checkpoint.with_suffix(".trust.json").exists()  # whom it completed rounds with, kept for the restart
     crashy.info.unlink()
     again = swarm("crashy", *[a for a in join if a != "--quiet"])  # same name: same state folder and metrics
     for p in (owner, p1, again):
@@ -146,6 +148,7 @@ def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) ->
     # checkpoints are written by a writer thread, so a SIGKILL right after round 1 may catch the one of
     # round 2 still unwritten: the restart resumes from the newest complete one (verified), then syncs
     assert "resumed from checkpoint: round 2" in log or "resumed from checkpoint: round 1" in log, log[-2000:]
+    assert re.search(r"trust ledger: [12] peers we completed rounds with, 0 banned", log), log[-2000:]
     finals = {p.name: p.records()[-1] for p in (owner, p1, again)}
     assert len({r["round"] for r in finals.values()}) == 1
     assert len({r["state_hash"] for r in finals.values()}) == 1, finals

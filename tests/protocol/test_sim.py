@@ -99,6 +99,10 @@ def test_a_crashed_peer_restarts_from_its_checkpoint_and_ends_identical() -> Non
     result = swarm.run()
     assert not result.stalled and kill.fired and result.peers[2].starts == 2
     assert any("resumed from checkpoint: round" in line for line in result.peers[2].log)
+    # its trust file came back with it: the rounds it completed with the others before the crash count
+    # (a restarted peer is not a newcomer to its own run: review N2)
+    firsts = {p: first for p, first, _, _ in result.peers[2].incarnations[1].trust.state()["peers"]}
+    assert firsts == {result.peers[0].id: 0, result.peers[1].id: 0}, firsts
     finals = [rounds_of(result, i)[7] for i in range(3)]
     assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 3 for r in finals), finals
 

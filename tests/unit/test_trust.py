@@ -73,3 +73,46 @@ def test_bans_are_bounded_and_the_oldest_is_forgotten() -> None:
     bans.ban("B", "again")  # refreshed: now the newest
     bans.ban("E", "new")
     assert "B" in bans and "C" not in bans
+
+
+def _id(n: int) -> str:
+    return f"12D3KooW{n:0>4}".replace("0", "z") + "A" * 40
+
+
+def test_the_ledger_and_bans_survive_a_restart_through_their_file(tmp_path) -> None:
+    from hivetrain.peer.trust import LedgerFile
+
+    said: list[str] = []
+    t, b = Trust(), Bans()
+    t.record_completed(3, [_id(0), _id(1), _id(2)], _id(0))
+    t.record_completed(5, [_id(0), _id(1)], _id(0))
+    b.ban(_id(9), "sent two different parts")
+    path = str(tmp_path / "run.trust.json")
+    first = LedgerFile(path, "run.key", said.append)
+    first.save(t, b)
+    first.flush()
+    t2, b2 = Trust(), Bans()
+    LedgerFile(path, "run.key", said.append).load(t2, b2)
+    assert t2.state() == t.state() and b2.state() == b.state()
+    assert t2.has_history(6) and t2.on_probation(_id(7), 6) and not t2.on_probation(_id(2), 6)  # not a newcomer
+    assert t2.weight(_id(1), 6) == 1.0 and _id(9) in b2 and b2.why(_id(9)) == "sent two different parts"
+    assert said == ["trust ledger: 2 peers we completed rounds with, 1 banned"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[]", b'{"version": 1, "run": "other.key", "trust": {}, "bans": []}',
+                                     b'{"version": 1, "run": "run.key", "trust": {"peers": [["x", 1, 2, 1]]}, "bans": []}',
+                                     b'{"version": 1, "run": "run.key", "trust": {"peers": [], "our_first": -1}, "bans": []}',
+                                     b'{"version": 1, "run": "run.key", "trust": {"peers": []}, "bans": [[1, 2]]}',
+                                     b" " * (8 * 1024 * 1024 + 1)])
+def test_a_damaged_ledger_is_said_and_left_alone(tmp_path, content: bytes) -> None:
+    from hivetrain.peer.trust import LedgerFile
+
+    path = tmp_path / "run.trust.json"
+    path.write_bytes(content)
+    said: list[str] = []
+    t, b = Trust(), Bans()
+    t.record_completed(1, [_id(0), _id(1)], _id(0))
+    LedgerFile(str(path), "run.key", said.append).load(t, b)
+    assert len(said) == 1 and said[0].startswith("warning: ignoring the trust ledger"), said
+    assert len(t) == 1 and len(b) == 0  # nothing half-loaded
+    assert path.read_bytes() == content
