@@ -318,11 +318,14 @@ class P2PAverager:
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         kind = header["type"]
-        if kind != "view" and kind != "cross" and kind not in SESSION_KINDS:  # (a well-formed message of another protocol)
+        if kind not in ("view", "cross", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
             return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
         round_ = header["round"]
         if header["run"] != self.ctx.run:
             return self.refusal(header, Code.FOREIGN, "message for another run spec")
+        if kind == "ping":  # we are here (Matchmaking._ping_board); nothing else changes
+            return Done(self.refusal(header, Code.OK, "")) if not body_len else self.refusal(
+                header, Code.WRONG_SIZE, "a ping has no body")
         if kind == "view":
             return Done(self._on_view(sender, header)) if not body_len else self.refusal(
                 header, Code.WRONG_SIZE, "a view request has no body")

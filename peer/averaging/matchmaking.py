@@ -7,6 +7,11 @@
    closes when the group reaches the run's target size, when a candidate shows that it already
    decided (its part for the round reached us: it waits for us), and at the latest
    ``spec.matchmaking_timeout`` after we were ready: the grace a straggler gets, whatever it claims.
+   With derived groups, every dialable peer ready at our base on our board is pinged first
+   (``_ping_board``): a record whose peer gives no sign of life within VIEW_TIMEOUT (an identity
+   that only published a record, or a peer that died since) is left out of the partition, so that
+   free records cannot split the live peers into groups they never fill. Every honest peer pings
+   the same records and finds the same ones silent.
 2. Agreement: ask every member of our effective view for its view, first-hand, and fold the
    answers in (views.fold) until every member answers with exactly our view, or one reports a
    decision we can accept. Peers others name are asked before they can count.
@@ -39,13 +44,14 @@ from hivetrain.peer.averaging.views import (
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.prefixes import first_prefix
-from hivetrain.peer.net.wire import MAX_GROUP, ZERO
+from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
 
 logger = logging.getLogger(__name__)
 POLL = 0.1  # seconds between board reads while the window is open
 MAX_PENDING = 256  # announced peers we keep track of (the board's most recent, highest priority first)
 VIEW_TIMEOUT = 3.0  # seconds for one view request: a peer that accepts the stream and never answers is excluded
 VIEW_ATTEMPTS = 3  # tries of one view request that fails fast (a dropped stream, a refused dial)
+BUSY_PAUSE = 0.2  # seconds (x the attempt) before asking a peer that answered BUSY again
 FAST_FAILURE = 1.0  # seconds: a view request that failed sooner than this is tried again
 RECONCILE_PAUSE = 0.05  # seconds before asking again when a sweep changed nothing
 AGREE_MIN = 2 * VIEW_TIMEOUT + 2.0  # seconds, at least, for the agreement after the window
@@ -75,6 +81,8 @@ class Matchmaking:
         self.elsewhere: set[str] = set()  # ready at another base: nobody waits for them
         self.seen: set[str] = set()  # every peer with a record for this round, any base (for "alone" warnings)
         self.ready_here: set[str] = set()  # ready at our base on our board (signed records): the partition's input
+        self.alive: set[str] = set()  # peers that showed us they are here this round (a view request, a ping's answer)
+        self.silent: set[str] = set()  # ready records whose peers did not answer our ping: never in the partition
         self.ready_at = clock.wall()  # unix time we were ready (our record's ``eta``)
         self.waited = 0.0  # seconds the window stayed open
         self.outlive = 0.0  # unix time our announcement of this round expires: our ready record must outlive it
@@ -88,6 +96,8 @@ class Matchmaking:
     # ---- handlers (called by the averager's dispatch, on the loop) --------------------------------
 
     def on_view(self, sender: str, request: Report) -> Report:
+        if len(self.alive) < MAX_BOARD:
+            self.alive.add(sender)
         reply = answer(self.view, sender, request, self.caps())
         self.changed.set()
         return reply
@@ -109,6 +119,7 @@ class Matchmaking:
             self.waited = clock.now() - opened
             if spec.cross_groups and not self.view.decided:  # one model per round: groups are derived
                 await self._read_board()
+                await self._ping_board()
                 derive_group(self.view, self.ready_here, spec.target_group_size)
             group = await self._agree(clock.now() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
             if self.view.me_closed and len(group) > 1:
@@ -184,6 +195,8 @@ class Matchmaking:
         pending: dict[str, float] = {}
         for r in records:
             if r.done and r.base == self.view.base:
+                if r.peer_id in self.silent:
+                    continue
                 if len(self.ready_here) < MAX_BOARD:
                     self.ready_here.add(r.peer_id)
                 self.view.mark(r.peer_id, r.closed, r.up)
@@ -278,6 +291,40 @@ class Matchmaking:
         view.strikes.clear()
         return True
 
+    async def _ping_board(self) -> None:
+        """Pings every peer ready at our base on our board that we can dial and that has not shown
+        itself this round; those that give no sign of life (any reply counts, BUSY included) are
+        left out of the partition and of our view for the round."""
+        view = self.view
+        peers = sorted(self.ready_here - self.alive - view.closed - set(view.excluded) - {self.ctx.me})
+        if not peers:
+            return
+        answered = await asyncio.gather(*(self._ping(p) for p in peers))
+        silent = [p for p, ok in zip(peers, answered, strict=True) if not ok]
+        self.alive.update(p for p, ok in zip(peers, answered, strict=True) if ok)
+        for peer in silent:
+            self.ready_here.discard(peer)
+            self.silent.add(peer)
+            view.exclude(peer, "did not answer our ping before the partition")
+        if silent:
+            logger.info("round %d: %d of %d ready peers on our board did not answer a ping: left out of the "
+                        "partition", view.round, len(silent), len(peers))
+
+    async def _ping(self, peer: str) -> bool:
+        header = self.ctx.header("ping", self.view.round, self.view.base)
+        for attempt in range(VIEW_ATTEMPTS):
+            started = clock.now()
+            try:
+                await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
+                              traffic=self.ctx.traffic)
+                return True  # any reply: it is here
+            except Exception as e:  # unreachable, refused, timed out
+                logger.debug("ping to %s failed (attempt %d): %r", peer, attempt + 1, e)
+                if attempt + 1 == VIEW_ATTEMPTS or clock.now() - started > FAST_FAILURE:
+                    return False
+                await asyncio.sleep(0.1 * (attempt + 1))
+        return False
+
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
@@ -289,6 +336,9 @@ class Matchmaking:
             try:
                 reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
                                          traffic=self.ctx.traffic)
+                if reply["type"] == "ack" and reply["code"] == Code.BUSY and attempt + 1 < VIEW_ATTEMPTS:
+                    await asyncio.sleep(BUSY_PAUSE * (attempt + 1))  # BUSY: it is there, ask again shortly
+                    continue
                 break
             except Exception as e:  # unreachable, refused, timed out, malformed: not in our group
                 logger.debug("view request to %s failed (attempt %d): %r", peer, attempt + 1, e)

@@ -133,6 +133,8 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
     "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool,
                    "closed": _bool, "up": _UP},
+    # before a round's partition: a sign of life, answered with an ack by any peer of the run (nothing else)
+    "ping": _COMMON,
     # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor); sig: its
     # signature of the digest (peer/averaging/statements.py), "" unless its auditor gets the copy relayed (a slow member)
     "part": {**_SESSION, "shard": _SHARD, "digest": _part_digest, "sig": _opt_sig},

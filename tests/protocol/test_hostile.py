@@ -186,7 +186,9 @@ def test_seventy_fake_ready_records_and_a_fake_member_list_do_not_stop_the_hones
         await swarm.board.publish(liar.identity, Ready(liar.identity.peer_id, 0, BASE, swarm.peers[0].ctx.run), 60)
 
     class Liar:
-        """Answers every view request with 64 members it made up, itself and the asker."""
+        """Answers every view request (and ping) with 64 members it made up, itself and the asker."""
+
+        max_body = 0
 
         def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
             members = sorted({f.peer_id for f in fakes[:61]} | {liar.identity.peer_id, sender})
@@ -206,9 +208,11 @@ def test_seventy_fake_ready_records_and_a_fake_member_list_do_not_stop_the_hones
         done = assert_identical(results, members=n)
         assert set(done[0].group) == set(swarm.ids())
         for p in swarm.peers:
-            view = p.matchmaking[0].view
-            assert liar.identity.peer_id in view.excluded  # it never converged
-            assert not {f.peer_id for f in fakes} & set(view.effective())
+            mm = p.matchmaking[0]
+            assert {f.peer_id for f in fakes} <= mm.silent  # all 70 records were on its board, and silent
+            assert liar.identity.peer_id in mm.alive  # the liar answered (and was left out for its views)
+            assert liar.identity.peer_id in mm.view.excluded or liar.identity.peer_id not in (mm.view.allowed or ())
+            assert not {f.peer_id for f in fakes} & set(mm.view.effective())
     finally:
         swarm.close()
 
