@@ -267,8 +267,12 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
         elif reply.decided and view.me not in reply.members:
             view.exclude(peer, "decided without us")
         elif reply.decided:
+            # With derived groups a decision must be exactly our view: every honest member decided
+            # when all of us answered with that view, and ours only shrinks after (an attacker
+            # dealt into our group would otherwise answer "decided: {you, me}": review N1)
             group = reply.members
-            if group <= view.effective() and caps.accepts(group):
+            fits = group == view.effective() or (view.allowed is None and group <= view.effective())
+            if fits and caps.accepts(group):
                 view.decided = tuple(sorted(group))
                 return Step(view.decided)
             if view.me_closed and not group & set(view.excluded) and view.me in group:
@@ -332,10 +336,15 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too
         view.mark(sender, request.closed, request.up)
+        asked_before = sender in view.reports
         view.reports[sender] = request
         if request.decided:  # a closed member's decision: nobody asks it, so it tells us
+            # Adopted only from a member that asked us before (a closed member agrees with us first)
+            # and only when it is exactly our own view: a decision never drops a member we still
+            # count on. (An identity's one unsolicited "decided: {you, me}" made every honest peer
+            # average with it alone: review N1.)
             group = request.members
-            if view.me in group and group <= view.effective() and caps.accepts(group):
+            if view.me in group and asked_before and group == view.effective() and caps.accepts(group):
                 view.decided = tuple(sorted(group))
                 return Report(group, frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
             view.exclude(sender, "decided a group we cannot accept")

@@ -539,9 +539,12 @@ class DecidedPair(Attack):
         pairs = [(i, r) for i, r, mm in matchmakings(result)
                  if mm.view.decided is not None and bad & set(mm.view.decided)]
         pairs += [(i, rec["round"]) for i, rec in with_attackers(result)]
-        if not pairs:
+        refused = [(i, r) for i, r, mm in matchmakings(result)
+                   if any("cannot accept" in mm.view.excluded.get(b, "") for b in bad)]
+        if not pairs and not refused:
             return None
-        return f"{len(set(pairs))} honest peer-rounds decided a group with an attacker that asked once"
+        return (f"{len(set(pairs))} honest peer-rounds decided a group with an attacker that asked once; "
+                f"{len(set(refused))} refused its decision")
 
 
 class EarlyPart(Attack):

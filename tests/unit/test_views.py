@@ -7,7 +7,17 @@ from collections.abc import Callable
 
 import pytest
 
-from hivetrain.peer.averaging.views import Caps, Report, View, answer, fold, outgoing, priority, settle
+from hivetrain.peer.averaging.views import (
+    Caps,
+    Report,
+    View,
+    answer,
+    derive_group,
+    fold,
+    outgoing,
+    priority,
+    settle,
+)
 from hivetrain.peer.trust import Trust
 
 ROUND, BASE = 5, "ab" * 32
@@ -158,6 +168,21 @@ def test_a_decision_is_adopted_only_inside_our_capped_view() -> None:
     assert step.decided == ("a", "me", "old")
 
 
+def test_in_a_derived_group_only_a_decision_of_our_whole_view_is_adopted() -> None:
+    """An attacker dealt into our derived group answers our view request "decided: {you, me}"
+    (review N1): refused, and it leaves; an honest member's decision is our whole view."""
+    members = {"me", "a", "b", "x"}
+    view = View(ROUND, BASE, "me", members - {"me"})
+    derive_group(view, members, target=4)
+    assert view.allowed == frozenset(members)
+    step = fold(view, frozenset({"a", "b", "x"}), {"x": Report(frozenset({"me", "x"}), frozenset(), True)},
+                caps_for("me"), 0.0)
+    assert step.decided is None and "cannot accept" in view.excluded["x"]
+    step = fold(view, frozenset({"a", "b"}), {"a": Report(frozenset({"me", "a", "b"}), frozenset(), True)},
+                caps_for("me"), 0.0)
+    assert step.decided == ("a", "b", "me")
+
+
 def test_a_decision_without_us_excludes_its_reporter() -> None:
     view = View(ROUND, BASE, "me", {"a", "b"})
     fold(view, frozenset({"a", "b"}), {"a": Report(frozenset({"a", "b"}), frozenset(), True)}, caps_for("me"), 0.0)
@@ -222,11 +247,31 @@ def test_closed_peers_without_an_open_one_go_alone() -> None:
 
 
 def test_a_closed_peers_decision_is_adopted_only_inside_the_open_peers_view() -> None:
-    view = View(ROUND, BASE, "o0", {"o1", "c0"})
     caps = caps_for("o0")
+    asks = Report(frozenset({"o0", "o1", "c0"}), frozenset(), decided=False, closed=True)
     told = Report(frozenset({"o0", "o1", "c0"}), frozenset(), decided=True, closed=True)
+    view = View(ROUND, BASE, "o0", {"o1", "c0"})
+    answer(view, "c0", asks, caps)  # a closed member asks first (it agrees with us), then tells us
     answer(view, "c0", told, caps)
     assert view.decided == ("c0", "o0", "o1") and "c0" in view.closed
     other = View(ROUND, BASE, "o0", {"o1", "c0"})
+    answer(other, "c0", asks, caps)
     answer(other, "c0", Report(frozenset({"o0", "c0", "stranger"}), frozenset(), decided=True, closed=True), caps)
     assert other.decided is None and "cannot accept" in other.excluded["c0"]
+
+
+def test_a_decision_is_never_adopted_unsolicited_nor_when_it_drops_a_member_review_n1() -> None:
+    """One identity's first message, "decided: {you, me}", made every honest peer average with it
+    alone (review N1); a member that asked before cannot shrink our group to a pair either."""
+    caps = caps_for("o0")
+    pair = Report(frozenset({"o0", "x"}), frozenset(), decided=True, closed=True)
+    unsolicited = View(ROUND, BASE, "o0", {"o1", "o2"})
+    answer(unsolicited, "x", pair, caps)
+    assert unsolicited.decided is None and "cannot accept" in unsolicited.excluded["x"]
+    alone = View(ROUND, BASE, "o0", set())  # even when we know nobody else: x never asked us before
+    answer(alone, "x", pair, caps)
+    assert alone.decided is None and "x" in alone.excluded
+    dropping = View(ROUND, BASE, "o0", {"o1", "x"})
+    answer(dropping, "x", Report(frozenset({"o0", "o1", "x"}), frozenset(), decided=False, closed=True), caps)
+    answer(dropping, "x", pair, caps)  # it asked before, but its decision leaves o1 out
+    assert dropping.decided is None and "cannot accept" in dropping.excluded["x"]
