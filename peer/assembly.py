@@ -73,8 +73,9 @@ class Peer:
         dht, link, identity = seams.dht, seams.link, seams.dht.identity
         self.spec, self.say = spec, say
         numel = sum(p.numel() for p in seams.learner.model.parameters())
-        self.trust = Trust()  # one ledger: the trainer records completed rounds; averaging and fork choice read it
         bans = Bans()
+        self.trust = Trust(banned=bans.__contains__)  # one ledger: the trainer records completed rounds; averaging
+        # and fork choice read it
         if seams.ledger is not None:
             seams.ledger.load(self.trust, bans)
         ef = ErrorFeedback(numel) if spec.carries_residual else None

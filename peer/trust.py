@@ -47,10 +47,14 @@ class _Record:
 
 
 class Trust:
-    def __init__(self, max_known: int = MAX_KNOWN):
+    """``banned``: whom we caught (``Bans.__contains__``): a banned peer weighs nothing, whatever it
+    did before, and a round completed with it earns it nothing (review N9)."""
+
+    def __init__(self, max_known: int = MAX_KNOWN, banned: Callable[[str], bool] | None = None):
         if max_known < 1:
             raise ValueError(f"max_known must be >= 1, got {max_known}")
         self.max_known = max_known
+        self.banned = banned or (lambda peer: False)
         self._peers: dict[str, _Record] = {}  # least recently seen first
         self._our_first: int | None = None  # first round we completed with anyone but ourselves
 
@@ -59,7 +63,7 @@ class Trust:
 
     def record_completed(self, round_: int, group: Iterable[str], me: str) -> None:
         """Round ``round_`` completed (audited where the run audits) with ``group`` (ours included)."""
-        others = [p for p in group if p != me]
+        others = [p for p in group if p != me and not self.banned(p)]
         if not others:
             return  # a round alone vets nobody
         if self._our_first is None or round_ < self._our_first:
@@ -87,7 +91,7 @@ class Trust:
     def weight(self, peer: str, round_: int) -> float:
         """What ``peer``'s word is worth to us at round ``round_``: see the module doc."""
         rec = self._peers.get(peer)
-        if rec is None or round_ - rec.last > WINDOW:
+        if rec is None or round_ - rec.last > WINDOW or self.banned(peer):
             return 0.0
         return min(rec.together, RAMP) / RAMP
 
@@ -198,7 +202,7 @@ class LedgerFile:
             data = json.loads(raw)
             if not isinstance(data, dict) or data.get("version") != LEDGER_VERSION or data.get("run") != self.run_key:
                 raise ValueError("not a ledger of this run")
-            fresh_trust, fresh_bans = Trust(trust.max_known), Bans(bans.max_bans)
+            fresh_trust, fresh_bans = Trust(trust.max_known), Bans(bans.max_bans)  # (checked before any change)
             fresh_trust.restore(data.get("trust"))
             fresh_bans.restore(data.get("bans"))
         except ValueError as e:  # (json's errors are ValueErrors too)

@@ -79,8 +79,9 @@ class LocalSwarm:
         if nat:
             self.net.behind_nat.add(identity.peer_id)
         ef = ErrorFeedback(self.numel) if self.spec.carries_residual else None
+        bans = Bans()
         ctx = PeerContext(self.spec, self.numel, self.spec.codec(), link,
-                          identity, Trust(), Bans(), behaviour, ef, closed=nat)
+                          identity, Trust(banned=bans.__contains__), bans, behaviour, ef, closed=nat)
         self.peers.append(P2PAverager(ctx, self.board, self.loop).start())
         return len(self.peers) - 1
 

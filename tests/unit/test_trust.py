@@ -116,3 +116,15 @@ def test_a_damaged_ledger_is_said_and_left_alone(tmp_path, content: bytes) -> No
     assert len(said) == 1 and said[0].startswith("warning: ignoring the trust ledger"), said
     assert len(t) == 1 and len(b) == 0  # nothing half-loaded
     assert path.read_bytes() == content
+
+
+def test_a_banned_peer_weighs_nothing_and_earns_nothing() -> None:
+    """Review N9: a member banned during a round kept fork-choice weight 1 from that very round."""
+    bans = Bans()
+    t = Trust(banned=bans.__contains__)
+    t.record_completed(3, ["me", "A", "B"], "me")
+    bans.ban("B", "equivocation: signed two different results")
+    assert t.weight("A", 4) == 1.0 and t.weight("B", 4) == 0.0 and t.trusted(4) == {"A": 1.0}
+    t.record_completed(4, ["me", "A", "B", "C"], "me")
+    bans.ban("C", "caught after the round")
+    assert t.trusted(5) == {"A": 1.0}
