@@ -62,7 +62,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hivetrain.peer.net.prefixes import first_prefix
+from hivetrain.peer.net.prefixes import first_prefix, prefix_of
 
 ROUND_SLACK = 2  # rounds a peer may be ahead of us regardless of time (a round in flight, clock skew)
 MAX_PER_STATE = 32  # attesters of one state a joiner contacts
@@ -282,15 +282,19 @@ def plan_contacts(attestations: Iterable[Attestation], own: Own, salt: bytes, ex
 
 
 def vote_key(addrs: Sequence[str]) -> str | None:
-    """What one attester's vote counts as: the public prefix of the connection we hold to it, or,
-    if every address is exempt from prefixes (loopback, private, relayed), its first IP: then
-    one vote per IP (a relayed peer's IP is its relay's). None if we hold no IP connection to it."""
+    """What one attester's vote counts as: the public prefix of the connection we hold to it; if we
+    reach it through a relay with a public address, the relay's prefix (every identity relayed
+    through one /24 is one vote, wherever it really is: review N6 counted one per relay IP, 32 votes
+    from 32 relays in one /24); otherwise (loopback, private) its first IP: one vote per IP. None if
+    we hold no IP connection to it."""
     prefix = first_prefix(addrs)
     if prefix is not None:
         return prefix
     for addr in addrs:
         parts = addr.split("/") if isinstance(addr, str) and len(addr) <= 1024 else []
         if len(parts) >= 3 and parts[0] == "" and parts[1] in ("ip4", "ip6") and parts[2]:
+            if "p2p-circuit" in parts and (relay := prefix_of("/".join(parts[:3]))) is not None:
+                return f"relay:{relay}"
             return f"ip:{parts[2]}"
     return None
 

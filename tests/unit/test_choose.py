@@ -276,6 +276,22 @@ def test_more_identities_on_one_prefix_are_one_vote() -> None:
     assert choice.detail == "attested by 2 network prefixes/IPs (2 identities)"
 
 
+def test_relayed_attesters_vote_once_per_relay_prefix() -> None:
+    """Review N6: 32 identities reachable only through relays on 32 IPs of one /24 were 32 votes
+    and took a joiner from 20 honest /24s; they are one vote now (a private relay: one per IP)."""
+    relayed = {f"s{i}": [f"/ip4/100.20.0.{i + 1}/tcp/4001/p2p/{RELAY}/p2p-circuit"] for i in range(32)}
+    assert {vote_key(a) for a in relayed.values()} == {"relay:100.20.0.0/24"}
+    honest = {f"h{i}": [f"/ip4/198.{i}.100.9/tcp/1"] for i in range(20)}
+    found = [att(p, H5) for p in honest] + [att(p, st("EVIL", 6, "H5")) for p in relayed]
+    assert joiner(found, {**honest, **relayed}) == H5
+    lan = ["/ip4/192.168.1.5/tcp/4001/p2p/" + RELAY + "/p2p-circuit", "/ip4/192.168.1.6/tcp/4001/p2p/" + RELAY
+           + "/p2p-circuit"]
+    assert [vote_key([a]) for a in lan] == ["ip:192.168.1.5", "ip:192.168.1.6"]
+
+
+RELAY = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
 def test_on_one_host_identities_decide_then_rounds() -> None:
     """Loopback is exempt from prefixes: one vote per IP, so every state here has one vote."""
     loop = ["/ip4/127.0.0.1/tcp/1"]
@@ -363,7 +379,7 @@ def test_vote_keys() -> None:
     assert vote_key(["/ip4/127.0.0.1/tcp/4001"]) == "ip:127.0.0.1"
     assert vote_key(["/ip4/10.1.2.3/tcp/1", "/ip4/203.0.113.7/tcp/1"]) == "203.0.113.0/24"  # public first
     relayed = "/ip4/198.51.100.7/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit"
-    assert vote_key([relayed]) == "ip:198.51.100.7"  # one vote per relay
+    assert vote_key([relayed]) == "relay:198.51.100.0/24"  # one vote per relay prefix
     assert vote_key([]) is None and vote_key(["/dns4/example.org/tcp/1"]) is None
 
 
