@@ -268,8 +268,9 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
             save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
         metrics = MetricsWriter(options.metrics_file)
         ledger = LedgerFile(os.path.join(ckpt_dir, f"{run_key}.trust.json"), run_key, say)
-        peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say), ledger=ledger), run_key,
-                    spec, metrics, say)
+        began = checkpoint.BeganFile(os.path.join(ckpt_dir, f"{run_key}.began.json"), say)
+        peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say), ledger=ledger,
+                          began=began), run_key, spec, metrics, say)
         if dashboard is not None:
             board = dashboard
             board.watcher = RunWatcher(lambda: read_status(dht, run_key, spec), warn=say)

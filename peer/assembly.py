@@ -36,7 +36,7 @@ from hivetrain.peer.state.serve import StateService
 from hivetrain.peer.state.snapshot import Snapshot
 from hivetrain.peer.state.sync import StateSync
 from hivetrain.peer.train.learner import Learner
-from hivetrain.peer.train.loop import MetricsWriter, Trainer, TrainerParts
+from hivetrain.peer.train.loop import Began, MetricsWriter, Trainer, TrainerParts
 from hivetrain.peer.trust import Bans, Trust
 
 Say = Callable[[str], None]
@@ -62,6 +62,7 @@ class Seams:
     pause: Callable[[float], None] | None = None  # how the training thread waits (None: time.sleep)
     rng: random.Random | None = None  # this peer's randomness (None: the OS's)
     ledger: Ledger | None = None  # keeps trust and bans across restarts (None: each start is a newcomer's)
+    began: Began | None = None  # notes the rounds whose averaging we begin (None: a restart is not guarded)
 
 
 class Peer:
@@ -90,7 +91,7 @@ class Peer:
                                   min_round_s=spec.min_round_s, log=say)
         self.keeper.announce = lambda round_, base: self.averager.announce(round_, base, None)
         parts = TrainerParts(spec, identity.peer_id, None, self.averager, metrics, seams.behaviour, self.keeper,
-                             self.trust, learner=seams.learner, pause=seams.pause or time.sleep)
+                             self.trust, learner=seams.learner, pause=seams.pause or time.sleep, began=seams.began)
         self.trainer = Trainer(parts, log=say, heartbeat=self.heartbeat)
 
     def _saver(self, seams: Seams, bans: Bans) -> Callable[[Snapshot], None] | None:

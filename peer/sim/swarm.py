@@ -137,6 +137,7 @@ class SimPeer:
         self.alive = False
         self.done = False  # trained to the run's last round
         self.ledger: tuple[dict[str, Any], list[list[str]]] | None = None  # its trust file (survives restarts)
+        self.began: list[tuple[int, str]] = []  # its note of the rounds it began averaging (survives restarts)
         self.gone = False  # crashed for good (no restart planned): the run does not wait for it
         self.failed: BaseException | None = None
         self.log: deque[str] = deque(maxlen=LOG_LINES)
@@ -202,7 +203,7 @@ class SimPeer:
         seams = Seams(self.dht, link, learner, self.behaviour,
                       save=lambda snapshot: self._save(snapshot) if self._live(me) else None, pause=self._pause,
                       rng=random.Random(f"{sc.seed}/{self.index}/{self.starts}"),
-                      ledger=_DiskLedger(self, lambda: self._live(me)))
+                      ledger=_DiskLedger(self, lambda: self._live(me)), began=_DiskBegan(self, lambda: self._live(me)))
         self.peer = Peer(seams, self.swarm.run_key, self.swarm.spec,
                          SimMetrics(lambda record: self._record(record) if self._live(me) else None),
                          lambda line: self._say(line) if self._live(me) else None)
@@ -251,6 +252,20 @@ class _DiskLedger:
     def save(self, trust: Trust, bans: Bans) -> None:
         if self.live():  # (a crashed incarnation writes nothing)
             self.peer.ledger = (trust.state(), bans.state())
+
+
+class _DiskBegan:
+    """A simulated peer's note of the rounds it began averaging (peer/state/checkpoint.py ``BeganFile``)."""
+
+    def __init__(self, peer: SimPeer, live: Callable[[], bool]):
+        self.peer, self.live = peer, live
+
+    def marked(self) -> set[tuple[int, str]]:
+        return set(self.peer.began)
+
+    def mark(self, round_: int, base: str) -> None:
+        if self.live():
+            self.peer.began = [p for p in self.peer.began if p != (round_, base)][-3:] + [(round_, base)]
 
 
 @dataclass

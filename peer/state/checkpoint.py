@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import json
 import os
 import struct
 from collections.abc import Callable
@@ -39,6 +40,45 @@ def write(path: str, snapshot: Snapshot) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class BeganFile:
+    """The last few (round, base state) pairs whose averaging this peer began, in a small JSON file
+    next to the checkpoint, written before the first message of the round (the training loop's
+    ``Began``). A peer that crashes inside a round and restarts from the checkpoint of that round's
+    base computes its pseudo-gradient again, and on a GPU, or with its data read again, not to the
+    same bytes: sent to the same group, the others would prove it an equivocator and ban it. With
+    this note the restarted peer voids that round instead and catches up at the boundary."""
+
+    KEEP = 4  # pairs noted (overlap keeps two rounds in flight at most)
+
+    def __init__(self, path: str, log: Callable[[str], None]):
+        self.path, self.log = path, log
+        self._pairs: list[tuple[int, str]] = []
+
+    def marked(self) -> set[tuple[int, str]]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = json.loads(f.read(4096))
+            pairs = {(int(r), str(b)) for r, b in raw["began"]}
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.log(f"warning: ignoring {self.path} ({str(e)[:80]})")
+            return set()
+        self._pairs = sorted(pairs)[-self.KEEP:]
+        return set(self._pairs)
+
+    def mark(self, round_: int, base: str) -> None:
+        self._pairs = [p for p in self._pairs if p != (round_, base)][-(self.KEEP - 1):] + [(round_, base)]
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"began": [list(p) for p in self._pairs]}, f)
+            os.replace(tmp, self.path)  # (a SIGKILL leaves the page cache written: no fsync)
+        except OSError as e:
+            self.log(f"warning: could not note the round we average ({e}); a restart inside it may be "
+                     "taken for equivocation")
 
 
 class Writer:

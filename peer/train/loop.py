@@ -22,6 +22,7 @@ from torch import nn
 
 from hivetrain.dht import clock
 from hivetrain.peer.averaging.api import Averager, Finished, Pending, begin_now
+from hivetrain.peer.averaging.averager import MAX_AWAITED
 from hivetrain.peer.averaging.behaviour import HONEST, Behaviour
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.errors import RoundFailed, StateMismatch
@@ -94,6 +95,17 @@ class MetricsWriter:
             self._file.close()
 
 
+class Began(Protocol):
+    """Where a peer notes, before it averages, the round and base state it averages: it outlives
+    the process (peer/state/checkpoint.py ``BeganFile``)."""
+
+    def marked(self) -> set[tuple[int, str]]:
+        """The (round, base) pairs noted last (a few: overlapped rounds)."""
+        ...
+
+    def mark(self, round_: int, base: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class TrainerParts:
     """What the loop needs, built by the caller (peer/assembly.py, or a test) and passed in."""
@@ -109,6 +121,7 @@ class TrainerParts:
     model: nn.Module | None = None  # a Hugging Face model (peer/train/hf.py); None: build the spec's built-in model
     learner: Learner | None = None  # the objective; None: a language model on ``corpus`` (LMLearner)
     pause: Callable[[float], None] = time.sleep  # how the training thread waits (the simulator's takes virtual time)
+    began: Began | None = None  # notes the rounds we begin averaging (None: nothing noted, restarts not guarded)
 
 
 class Trainer:
@@ -117,6 +130,8 @@ class Trainer:
                  micro_batch: int = 0, checkpointing: bool = False, compile: bool = False):
         spec = parts.spec
         self.parts, self.spec, self.log = parts, spec, log
+        # (round, base) pairs whose averaging we began before a restart
+        self._began_before = parts.began.marked() if parts.began is not None else set()
         self.heartbeat = heartbeat or (lambda **kw: None)
         if parts.learner is not None:
             self.learner: Learner = parts.learner
@@ -358,6 +373,20 @@ class Trainer:
         if record["train_loss"] is None:
             self.learner.reset()  # its moments are poisoned too: start them afresh
             return Finished(RoundFailed(record["why"]))
+        began = self.parts.began
+        if began is not None:
+            if (r, base) in self._began_before:  # we crashed inside this round's averaging and restarted
+                self._began_before.discard((r, base))
+                # the group we were in may still be ending the round (at its deadline, without our
+                # results): fork choice waits for the peers we trust to say how it ended, so that we
+                # start the next round with them rather than alone and ahead of them
+                trusted = sorted(self.parts.trust.trusted(r)) if self.parts.trust is not None else []
+                return Finished(RoundFailed(
+                    f"we began averaging round {r} from this state before a restart: parts recomputed since "
+                    "could contradict those sent (the others would take it for equivocation)",
+                    awaiting=tuple(trusted[:MAX_AWAITED]),
+                    awaiting_until=clock.now() + self.spec.allreduce_timeout + self.spec.matchmaking_timeout))
+            began.mark(r, base)
         population = self.outer.population  # (the outer state is at the round's base here)
         if begin:
             return self.parts.averager.begin(r, base, delta, population)

@@ -140,6 +140,7 @@ def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) ->
     checkpoint = tmp_path / "crashy-state" / "checkpoints" / f"{info['run_key']}.ckpt"
     assert checkpoint.exists()
     assert checkpoint.with_suffix(".trust.json").exists()  # whom it completed rounds with, kept for the restart
+    assert checkpoint.with_suffix(".began.json").exists()  # the rounds it began averaging (a restart inside one voids it)
     crashy.info.unlink()
     again = swarm("crashy", *[a for a in join if a != "--quiet"])  # same name: same state folder and metrics
     for p in (owner, p1, again):

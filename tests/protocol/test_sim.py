@@ -107,6 +107,25 @@ def test_a_crashed_peer_restarts_from_its_checkpoint_and_ends_identical() -> Non
     assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 3 for r in finals), finals
 
 
+def test_a_peer_restarted_inside_a_round_voids_it_instead_of_sending_other_parts() -> None:
+    """The search's restart class (seed 84, docs/BENCHMARKS.md): killed after its parts of round 1
+    and back within the round's deadline, a peer computed that round again and sent other parts,
+    and every member banned it as an equivocator. Its note of the rounds it began makes it void
+    that round instead; nobody bans it, and it ends on the others' state."""
+    kill = KillAt("after_parts", restart_after=0.5)
+    swarm = Swarm(Scenario(peers=4, rounds=6, target=4, seed=11, behaviours=((3, kill),)))
+    kill.swarm, kill.index = swarm, 3
+    result = swarm.run()
+    assert not result.stalled and kill.fired and result.peers[3].starts == 2
+    assert any("we began averaging round 1 from this state before a restart" in line
+               for line in result.peers[3].log), list(result.peers[3].log)
+    for p in result.peers[:3]:
+        assert all(len(i.averager.ctx.bans) == 0 for i in p.incarnations), [i.averager.ctx.bans.why(result.peers[3].id)
+                                                                            for i in p.incarnations]
+    finals = [rounds_of(result, i)[5] for i in range(4)]
+    assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 4 for r in finals), finals
+
+
 def test_peers_behind_nat_that_join_later_train_with_the_open_peer() -> None:
     # as tests/integration/test_nat.py, without root: the open peer starts, two peers behind NAT join at 12 s
     result = simulate(Scenario(peers=3, rounds=6, target=3, nat_fraction=0.67, seed=7, join_at=(0.0, 12.0, 12.0)))

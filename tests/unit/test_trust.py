@@ -128,3 +128,17 @@ def test_a_banned_peer_weighs_nothing_and_earns_nothing() -> None:
     t.record_completed(4, ["me", "A", "B", "C"], "me")
     bans.ban("C", "caught after the round")
     assert t.trusted(5) == {"A": 1.0}
+
+
+def test_the_rounds_a_peer_began_averaging_outlive_it(tmp_path) -> None:
+    from hivetrain.peer.state.checkpoint import BeganFile
+
+    said: list[str] = []
+    path = str(tmp_path / "run.began.json")
+    assert BeganFile(path, said.append).marked() == set()
+    first = BeganFile(path, said.append)
+    for r in range(6):
+        first.mark(r, f"{r:064x}")
+    assert BeganFile(path, said.append).marked() == {(r, f"{r:064x}") for r in range(2, 6)}  # the last four
+    (tmp_path / "run.began.json").write_text("{oops")
+    assert BeganFile(path, said.append).marked() == set() and said and said[0].startswith("warning: ignoring")
