@@ -3,9 +3,9 @@
 1. Window: publish our signed ready record; collect the ready peers with our base state from the
    board. The window closes as soon as nobody is worth waiting for: every peer that announced this
    round ahead (peer/averaging/ready.py), and every member of our previous round's group, is ready
-   or gone to another base; at once when we are the only peer of the round. It also
-   closes when the group reaches the run's target size, when a candidate shows that it already
-   decided (its part for the round reached us: it waits for us), and at the latest
+   or gone to another base; at once when we are the only peer of the round. Without derived
+   groups it also closes when the group reaches the run's target size and when a candidate shows
+   that it already decided (its part for the round reached us: it waits for us); and at the latest
    ``spec.matchmaking_timeout`` after we were ready: the grace a straggler gets, whatever it claims.
    With derived groups, every dialable peer ready at our base on our board is pinged first
    (``_ping_board``): a record whose peer gives no sign of life within VIEW_TIMEOUT (an identity
@@ -76,6 +76,7 @@ class Matchmaking:
         self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim())
         self.changed = asyncio.Event()
         self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
+        self.early: set[str] = set()  # peers whose part reached us before we decided (at most MAX_GROUP kept)
         self.pending: dict[str, float] = {}  # announced, still computing -> the unix time it expects to be ready
         self.expected: set[str] = set()  # our previous round's group: waited for like announced peers
         self.elsewhere: set[str] = set()  # ready at another base: nobody waits for them
@@ -104,6 +105,14 @@ class Matchmaking:
 
     def on_early_part(self, sender: str) -> None:
         """A candidate sent us a part for this round before we decided: it is waiting for us."""
+        # With derived groups the window's own rules close it (its sender derived from the same
+        # board; it waits for us a moment): a part, junk or not, from a peer we never grouped with
+        # closed every honest window at once, and each derived a partition of a different board
+        # (review N4)
+        if len(self.early) < MAX_GROUP:
+            self.early.add(sender)
+        if self.ctx.spec.cross_groups:
+            return
         if sender in self.view.candidates and len(self.urgent) < MAX_GROUP:
             self.urgent.add(sender)
             self.changed.set()

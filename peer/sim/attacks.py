@@ -570,11 +570,12 @@ class EarlyPart(Attack):
     def happened(self, result: Result) -> str | None:
         bad = attacker_ids(result)
         urgent = [(i, r) for i, r, mm in matchmakings(result) if bad & mm.urgent]
-        if not urgent:
+        early = [(i, r) for i, r, mm in matchmakings(result) if bad & mm.early]
+        if not urgent and not early:
             return None
         alone = sum(1 for _, rec in honest_rounds(result) if not rec.get("void") and rec.get("group_size") == 1)
-        return f"{len(urgent)} honest matchmakings closed their window on an attacker's junk part; " \
-               f"{alone} honest peer-rounds trained alone"
+        return f"{len(early)} honest matchmakings got an attacker's junk part before deciding, {len(urgent)} " \
+               f"closed their window on it; {alone} honest peer-rounds trained alone"
 
 
 class ServingLockout(Attack):

@@ -126,6 +126,21 @@ def test_a_peer_restarted_inside_a_round_voids_it_instead_of_sending_other_parts
     assert len({r["state_hash"] for r in finals}) == 1 and all(r["group_size"] == 4 for r in finals), finals
 
 
+def test_a_junk_part_before_the_partition_closes_no_window() -> None:
+    """Review N4: a view request and one junk part from an identity closed every honest window at
+    once (7 of 12 matchmakings, 4 honest peer-rounds alone in this run; the search's seed 5 ended
+    rounds in 5 states). Derived groups close the window by its own rules only."""
+    result = simulate(Scenario(peers=8, rounds=3, target=4, seed=1, dishonest=(6, 7), attacker_prefixes=1,
+                               attacks=("early_part",)))
+    bad = {p.id for p in result.peers if not p.honest}
+    held = [mm for p in result.peers if p.honest for inc in p.incarnations for mm in inc.averager.matchmaking.values()]
+    assert sum(bool(bad & mm.early) for mm in held) >= 6  # the parts came, before the honest peers decided
+    assert not any(mm.urgent for mm in held)
+    rounds = [rec for i, rec in result.records if rec.get("event") == "round" and result.peers[i].honest]
+    assert all(not r["void"] and r["group_size"] > 1 for r in rounds), rounds
+    assert row(result)["states_per_round"] == 1
+
+
 def test_peers_behind_nat_that_join_later_train_with_the_open_peer() -> None:
     # as tests/integration/test_nat.py, without root: the open peer starts, two peers behind NAT join at 12 s
     result = simulate(Scenario(peers=3, rounds=6, target=3, nat_fraction=0.67, seed=7, join_at=(0.0, 12.0, 12.0)))
