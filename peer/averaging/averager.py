@@ -184,6 +184,12 @@ class P2PAverager:
             session = RoundSession(ctx.run, round_, base, order, ctx.me, ctx.numel, ctx.codec,
                                    ctx.spec.audit, clock.now() + ctx.spec.allreduce_timeout,
                                    ctx.spec.piece_values, mm.closed_members(order), mm.claims(order), layout)
+            lone = session.reducers[0] if len(session.reducers) == 1 and session.n > 1 else ctx.me
+            if ctx.spec.audit and lone != ctx.me and ctx.trust.on_probation(lone, round_):
+                # nobody would audit it: a newcomer that made the others believe they are closed
+                # (dial-back lies) took every shard of their groups unaudited (review N3)
+                raise RoundFailed(f"{lone}, a peer we never completed a round with, is the only member of our group "
+                                  "that can be dialed: it would reduce every shard unaudited")
             self.sessions[round_] = session
             self._mark_replays(session)
             runner = AllReduceRunner(ctx, session, desk)

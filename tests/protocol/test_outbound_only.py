@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from hivetrain.peer.averaging.session import RoundSession
 from hivetrain.peer.averaging.simulation import LocalSwarm
-from tests.protocol.harness import BASE, NUMEL, assert_identical, deltas, spec, story
+from hivetrain.peer.errors import RoundFailed
+from tests.protocol.harness import BASE, NUMEL, assert_identical, completed, deltas, spec, story
 
 
 def _sessions(swarm: LocalSwarm, round_: int) -> list[RoundSession]:
@@ -55,5 +56,24 @@ def test_peers_that_are_all_behind_nat_train_alone_without_waiting_for_each_othe
         results = swarm.all_reduce(0, BASE, deltas(2))
         done = assert_identical([r for r in results[:1]], members=1) + assert_identical(results[1:], members=1)
         assert all(r.group == (swarm.ids()[i],) for i, r in enumerate(done)), story(results)
+    finally:
+        swarm.close()
+
+
+def test_closed_peers_never_apply_a_lone_unaudited_reducer_they_never_completed_a_round_with() -> None:
+    """Review N3: dial-back lies make honest public peers believe they are closed, and the one open
+    member, the attacker, reduces every shard with nobody to audit it. Closed peers with a history
+    void such a round when the lone reducer is a newcomer to them (in a fresh run, with no history,
+    the first test's groups still train)."""
+    swarm = LocalSwarm(spec(3, allreduce_timeout=2.0), NUMEL, 3, behind_nat=[1, 2])
+    ids = swarm.ids()
+    try:
+        for i in (1, 2):  # they completed round 0 together, without peer 0
+            swarm.peers[i].ctx.trust.record_completed(0, [ids[1], ids[2]], ids[i])
+        results = swarm.all_reduce(1, BASE, deltas(3, seed=1))
+        for i in (1, 2):
+            assert isinstance(results[i], RoundFailed), story(results)
+            assert "is the only member of our group that can be dialed" in str(results[i]), story(results)
+        assert not completed(results[1:])
     finally:
         swarm.close()
