@@ -109,6 +109,21 @@ async def frame(p2p: P2P, peer: str, protocol: str, data: bytes, read: bool = Tr
         return type(e).__name__
 
 
+async def exchange(p2p: P2P, peer: str, protocol: str, data: bytes) -> dict[str, Any] | str:
+    """Writes one frame on a fresh stream; returns the header the peer answered with (or what happened)."""
+    try:
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol), 10)
+        writer.write(data)
+        await writer.drain()
+        prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), 10)
+        _, header_len, _ = PREFIX.unpack(prefix)
+        reply = msgpack.unpackb(await reader.readexactly(header_len), raw=False)
+        writer.close()
+        return reply if isinstance(reply, dict) else "not a header"
+    except Exception as e:
+        return type(e).__name__
+
+
 def header(kind: str, spec_hash: str, round_: int, base: str, **fields: Any) -> bytes:
     raw = msgpack.packb({"type": kind, "run": spec_hash, "round": round_, "base": base, **fields}, use_bin_type=True)
     return raw
@@ -116,8 +131,10 @@ def header(kind: str, spec_hash: str, round_: int, base: str, **fields: Any) -> 
 
 async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], seconds: float, out: str,
                version: int = 6) -> None:
-    log: dict[str, Any] = {"stored": {}, "frames": {}, "flood": {}, "sybils": []}
+    log: dict[str, Any] = {"stored": {}, "frames": {}, "flood": {}, "sybils": [], "decided": []}
     p2p = await P2P.create(initial_peers=[maddr])
+    me = p2p.peer_id.to_base58()  # the identity the peers' transport authenticates: ours
+    log["outsider"] = me
     node = await DHTNode.create(p2p=p2p, initial_peers=[maddr], client_mode=True)
     sybils = [Key() for _ in range(3)]
     log["sybils"] = [s.peer_id for s in sybils]
@@ -168,6 +185,12 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                 }
                 for name, data in tries.items():
                     log["frames"].setdefault(name, []).append(await frame(p2p, peer, protocol, data))
+                # review N1: one unsolicited view request "decided: {you, me}" (as if we were closed)
+                h = header("view", spec_hash, current, base, members=sorted([peer, me]), excluded=[], closed=True,
+                           decided=True, up=0)
+                reply = await exchange(p2p, peer, protocol, PREFIX.pack(MAGIC, len(h), 0) + h)
+                log["decided"].append(reply if isinstance(reply, str) else
+                                      {k: reply.get(k) for k in ("type", "decided", "members", "code")})
                 # a body pushed without waiting to be asked for it (20 MB)
                 h = header("part", spec_hash, current, base, group=os.urandom(32).hex(), shard=0,
                            digest=os.urandom(16).hex(), sig="")

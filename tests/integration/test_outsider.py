@@ -1,7 +1,8 @@
 """End to end: an outside process built from stock hivemind (tests/integration/outsider.py) attacks
 three honest ``peer start`` processes while they train: forged heartbeats of a state of its own at
 round 10^9 and round+1, a heartbeat in an honest peer's name, ready records of identities that
-never answer, junk frames, bodies pushed unasked and a flood of silent streams. The honest peers
+never answer, an unsolicited "decided: {you, me}" view (review N1), junk frames, bodies pushed
+unasked and a flood of silent streams. The honest peers
 keep completing rounds with agreeing state hashes, never adopt the forged state, and their memory
 stays bounded."""
 
@@ -82,6 +83,10 @@ def test_an_outsider_with_stock_hivemind_cannot_take_over_split_or_stall_the_run
     assert "code 12" in frames["part of an unknown group, 100 MB claimed"], frames  # beyond any body of the protocol
     assert {"code 3", "code 4"} & set(frames["part of an unknown group, 1 kB"]), frames  # NOT_READY, WRONG_GROUP
     assert "view_reply" in frames["view naming 64 made-up members"], frames  # answered; none of them became a member
+    # review N1: its unsolicited "decided: {you, me}" was answered (the peers heard it) and never adopted
+    replies = [r for r in log["decided"] if isinstance(r, dict) and r.get("type") == "view_reply"]
+    assert replies, log["decided"]
+    assert not [r for r in replies if r["decided"] and log["outsider"] in r["members"]], replies
     # refused on the prefix, the stream closed on it while it was still pushing
     assert set(frames["body pushed unasked"]) <= {"code 11", "code 12", "BrokenPipeError", "ConnectionResetError",
                                                  "ControlFailure", "IncompleteReadError"}, frames
@@ -97,7 +102,7 @@ def test_an_outsider_with_stock_hivemind_cannot_take_over_split_or_stall_the_run
         records = [next(r for r in p.records() if r["round"] == n) for p in peers]
         assert len({r["state_hash"] for r in records}) == 1, f"round {n}: {records}"
         completed += all(not r["void"] for r in records)
-        assert not set(log["sybils"]) & {m for r in records for m in r["group"]}
+        assert not {*log["sybils"], log["outsider"]} & {m for r in records for m in r["group"]}
     assert completed >= ROUNDS - 1, [(r["round"], r["why"]) for r in peers[0].records()]
     honest_states = {r["state_hash"] for p in peers for r in p.records()}
     for p in peers:
