@@ -17,7 +17,7 @@ from hivetrain.peer.errors import DataError
 from hivetrain.peer.train import data
 from hivetrain.peer.train.data import load_text_files
 
-SECRET = "-----BEGIN OPENSSH PRIVATE KEY----- not data"
+SECRET = "a private line from a file outside the data folder"
 
 
 def _folder(tmp_path: Path) -> Path:
