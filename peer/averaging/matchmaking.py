@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from hivetrain.dht import clock
 from hivetrain.dht.records import bucket_of
@@ -320,46 +321,42 @@ class Matchmaking:
                         "partition", view.round, len(silent), len(peers))
 
     async def _ping(self, peer: str) -> bool:
-        header = self.ctx.header("ping", self.view.round, self.view.base)
-        for attempt in range(VIEW_ATTEMPTS):
-            started = clock.now()
-            try:
-                await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
-                              traffic=self.ctx.traffic)
-                return True  # any reply: it is here
-            except Exception as e:  # unreachable, refused, timed out
-                logger.debug("ping to %s failed (attempt %d): %r", peer, attempt + 1, e)
-                if attempt + 1 == VIEW_ATTEMPTS or clock.now() - started > FAST_FAILURE:
-                    return False
-                await asyncio.sleep(0.1 * (attempt + 1))
-        return False
+        """Whether ``peer`` gives a sign of life: any reply counts, BUSY included."""
+        return await self._request(peer, self.ctx.header("ping", self.view.round, self.view.base), busy=False) is not None
 
     async def _ask(self, peer: str, caps: Caps) -> _Ask:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
                                  excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False,
                                  up=self.view.me_up)
-        reply = None
-        for attempt in range(VIEW_ATTEMPTS):
-            started = clock.now()
-            try:
-                reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
-                                         traffic=self.ctx.traffic)
-                if reply["type"] == "ack" and reply["code"] == Code.BUSY and attempt + 1 < VIEW_ATTEMPTS:
-                    await asyncio.sleep(BUSY_PAUSE * (attempt + 1))  # BUSY: it is there, ask again shortly
-                    continue
-                break
-            except Exception as e:  # unreachable, refused, timed out, malformed: not in our group
-                logger.debug("view request to %s failed (attempt %d): %r", peer, attempt + 1, e)
-                # Asking again is harmless. A stream that p2pd dropped at once is worth a retry; a
-                # request that ran into its timeout is not: the peer is stalled.
-                if attempt + 1 == VIEW_ATTEMPTS or clock.now() - started > FAST_FAILURE:
-                    return _Ask(peer, None)
-                await asyncio.sleep(0.1 * (attempt + 1))
+        reply = await self._request(peer, header, busy=True)
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
             return _Ask(peer, None)
         return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
                                  reply["ready"], reply["closed"], reply["up"]))
+
+    async def _request(self, peer: str, header: dict[str, Any], busy: bool) -> dict[str, Any] | None:
+        """One of matchmaking's requests; its reply, or None if ``peer`` gave none. Asking again is
+        harmless: a stream that p2pd dropped at once is worth a retry (VIEW_ATTEMPTS in all), a
+        request that ran into its timeout is not (the peer is stalled); ``busy``: a BUSY answer is
+        asked again too (the peer is there; its stream caps were full)."""
+        for attempt in range(VIEW_ATTEMPTS):
+            last = attempt + 1 == VIEW_ATTEMPTS
+            started = clock.now()
+            try:
+                reply, _ = await request(self.ctx.link, peer, self.ctx.protocol, header, b"", VIEW_TIMEOUT,
+                                         traffic=self.ctx.traffic)
+            except Exception as e:  # unreachable, refused, timed out, malformed
+                logger.debug("%s to %s failed (attempt %d): %r", header["type"], peer, attempt + 1, e)
+                if last or clock.now() - started > FAST_FAILURE:
+                    return None
+                await asyncio.sleep(0.1 * (attempt + 1))
+                continue
+            if busy and not last and reply["type"] == "ack" and reply["code"] == Code.BUSY:
+                await asyncio.sleep(BUSY_PAUSE * (attempt + 1))
+                continue
+            return reply
+        return None
 
     # ---- caps -----------------------------------------------------------------------------------
 
