@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 IO_TIMEOUT = 10.0  # seconds for a header, a small reply, or a reply's write
 MAX_STREAMS_PER_PEER = 12  # inbound streams served at once from one peer (a member has a handful in flight)
 MAX_STREAMS_OTHERS = 64  # ... and from all peers that are not members of our current round, together
+MAX_PENDING = 256  # streams still waiting for their header, from all peers together
+STALL_S = 2.0  # a non-member's reply that drained nothing for this long may lose its slot to a newcomer
+CHUNK = 1 << 16  # bytes per write of a non-member's reply (its progress is measured per chunk)
 
 Reply = tuple[dict[str, Any], bytes]
 
@@ -180,79 +183,215 @@ async def request(link: Link, peer: str, protocol: str, header: dict[str, Any], 
 
 
 @dataclass
+class _Waiting:
+    """An inbound stream whose header has not arrived yet."""
+
+    sender: str
+    reading: asyncio.Future[tuple[dict[str, Any], int]]
+    evicted: bool = False
+
+
+@dataclass
+class _Slot:
+    """An inbound stream from a non-member that holds one of the shared slots, from its header on."""
+
+    sender: str
+    writer: Any
+    moved: float  # clock.now() of its header, then of the last chunk of its reply the requester took
+    writing: bool = False
+    evicted: bool = False
+
+
+@dataclass
 class Server:
-    """Serves one ``Service`` on inbound streams, with caps on concurrent streams: per peer, and for
-    all non-members together (a flood from many fresh identities cannot crowd out our group)."""
+    """Serves one ``Service`` on inbound streams, with caps on concurrent streams: per peer, for
+    streams still waiting for their header, and for all non-members together once their header is
+    here (a flood from many fresh identities cannot crowd out our group, nor one requester another).
+
+    Who gets a scarce place is never first-come (review 2026-12-02 N2: 8 identities x 4 silent
+    streams held every slot of a state server before sending a header, and every joiner got BUSY):
+
+    - a stream counts against the shared cap only once its header is here, so a silent stream holds
+      only a place among the ``max_pending`` waiting ones;
+    - when those are full, a newcomer takes the place of the oldest waiting stream of the peer that
+      holds the most of them, unless that would make the newcomer's peer the one holding the most
+      (then it is refused BUSY): an honest header, which arrives in milliseconds, is read whatever
+      number of silent streams others hold;
+    - when the shared slots are full, a reply whose write has taken nothing for ``STALL_S`` seconds
+      (a requester that asked and does not read) loses its slot to the newcomer; otherwise the
+      newcomer is refused BUSY, which a requester retries later.
+    """
 
     service: Service
     max_others: int = MAX_STREAMS_OTHERS
     max_per_peer: int = MAX_STREAMS_PER_PEER
     write_timeout: float = IO_TIMEOUT  # seconds to write one reply
-    open_streams: Counter[str] = field(default_factory=Counter)
-    others: int = 0  # open streams from non-members
+    max_pending: int = MAX_PENDING
+    open_streams: Counter[str] = field(default_factory=Counter)  # per peer, from the stream's start
+    others: int = 0  # non-members' streams holding a shared slot (their header is here)
     refused_busy: int = 0  # streams refused for the caps (seen by tests and logs)
+    evicted: int = 0  # waiting streams and stalled replies that gave their place to a newcomer
     traffic: Traffic = field(default_factory=Traffic)
+    _pending: dict[int, _Waiting] = field(default_factory=dict)  # in arrival order
+    _slots: dict[int, _Slot] = field(default_factory=dict)
+    _ticket: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Streams whose header has not arrived yet."""
+        return len(self._pending)
 
     async def handle(self, sender: str, reader: asyncio.StreamReader, writer: Any, remote: str = "") -> None:
         """Serves one inbound stream from the authenticated ``sender`` (seen at ``remote``); never raises."""
-        member = self.service.is_member(sender)
-        if self.open_streams[sender] >= self.max_per_peer or (not member and self.others >= self.max_others):
+        if self.open_streams[sender] >= self.max_per_peer or not self._room_to_wait(sender):
             self.refused_busy += 1
             await _write(writer, self.service.refusal({}, Code.BUSY, "too many streams"), self.write_timeout)
             return
         self.open_streams[sender] += 1
-        self.others += not member
         try:
             await self._serve(sender, reader, writer, remote)
         finally:
-            self.others -= not member
             self.open_streams[sender] -= 1
             if self.open_streams[sender] <= 0:
                 del self.open_streams[sender]
 
+    def _room_to_wait(self, sender: str) -> bool:
+        """Whether a new stream of ``sender`` may wait for its header, making room if it must."""
+        if len(self._pending) < self.max_pending:
+            return True
+        held = Counter(w.sender for w in self._pending.values())  # (in order of each peer's oldest stream)
+        heaviest, most = max(held.items(), key=lambda kv: kv[1])
+        if held[sender] + 1 > most:
+            return False
+        token = next(t for t, w in self._pending.items() if w.sender == heaviest)
+        waiting = self._pending.pop(token)
+        waiting.evicted = True
+        waiting.reading.cancel()
+        self.evicted += 1
+        return True
+
+    async def _read_header(self, sender: str, reader: asyncio.StreamReader) -> tuple[dict[str, Any], int] | None:
+        """The stream's header, or None if its place was given to a newcomer first."""
+        self._ticket += 1
+        token = self._ticket
+        waiting = _Waiting(sender, asyncio.ensure_future(read_header(reader, IO_TIMEOUT, self.service.max_body)))
+        self._pending[token] = waiting
+        try:
+            return await waiting.reading
+        except asyncio.CancelledError:
+            if not waiting.evicted:
+                raise
+            return None
+        finally:
+            self._pending.pop(token, None)
+
+    def _take_slot(self, sender: str, writer: Any) -> _Slot | None:
+        """A shared slot for a non-member's stream whose header is here, or None (refuse it BUSY)."""
+        if self.others >= self.max_others:
+            now = clock.now()
+            stalled = [(s.moved, t) for t, s in self._slots.items() if s.writing and now - s.moved >= STALL_S]
+            if not stalled:
+                return None
+            victim = self._slots.pop(min(stalled)[1])
+            victim.evicted = True
+            self.others -= 1
+            self.evicted += 1
+            _abort(victim.writer)
+        self._ticket += 1
+        slot = self._slots[self._ticket] = _Slot(sender, writer, clock.now())
+        self.others += 1
+        return slot
+
+    def _give_back(self, slot: _Slot | None) -> None:
+        if slot is not None and not slot.evicted:
+            slot.evicted = True
+            self._slots = {t: s for t, s in self._slots.items() if s is not slot}
+            self.others -= 1
+
     async def _serve(self, sender: str, reader: asyncio.StreamReader, writer: Any, remote: str) -> None:
         header: dict[str, Any] = {}
+        slot: _Slot | None = None
         try:
-            header, body_len = await read_header(reader, IO_TIMEOUT, self.service.max_body)
-            self.traffic.count(header["type"], received=64)  # a header; a body counts once it is read
-            outcome = self.service.admit(sender, header, body_len, remote)
-            if isinstance(outcome, tuple):  # answered on the header: a body, if any, stays unread
-                reply = outcome
-            elif not body_len:
-                reply = await outcome.complete(b"")
-            else:
-                try:
-                    await _write(writer, self.service.refusal(header, Code.CONTINUE, ""), self.write_timeout, close=False)
-                    body = await read_body(reader, body_len, max(0.01, outcome.deadline - clock.now()))
-                    self.traffic.count(header["type"], received=body_len)
-                except BaseException:
-                    outcome.abort()
-                    raise
-                reply = await outcome.complete(body)
-        except ProtocolError as e:
-            reply = self.service.refusal(header, Code.MALFORMED, str(e))
-        except (TimeoutError, asyncio.IncompleteReadError, OSError, ConnectionError):
-            writer.close()
-            return
-        except Exception as e:  # a bug must not silently drop the stream: answer, and say what it was
-            logger.exception("handler failed on a message from %s", sender)
-            reply = self.service.refusal(header, Code.INTERNAL, f"internal error: {type(e).__name__}")
-        self.traffic.count(header.get("type", "?"), sent=len(reply[1]) + 64)
-        await _write(writer, reply, self.write_timeout)
+            try:
+                read = await self._read_header(sender, reader)
+                if read is None:
+                    self.refused_busy += 1
+                    reply = self.service.refusal({}, Code.BUSY, "too many streams waiting for their header")
+                    await _write(writer, reply, self.write_timeout)
+                    return
+                header, body_len = read
+                self.traffic.count(header["type"], received=64)  # a header; a body counts once it is read
+                if not self.service.is_member(sender):
+                    slot = self._take_slot(sender, writer)
+                    if slot is None:
+                        self.refused_busy += 1
+                        await _write(writer, self.service.refusal(header, Code.BUSY, "too many streams"),
+                                     self.write_timeout)
+                        return
+                outcome = self.service.admit(sender, header, body_len, remote)
+                if isinstance(outcome, tuple):  # answered on the header: a body, if any, stays unread
+                    reply = outcome
+                elif not body_len:
+                    reply = await outcome.complete(b"")
+                else:
+                    try:
+                        await _write(writer, self.service.refusal(header, Code.CONTINUE, ""), self.write_timeout,
+                                     close=False)
+                        body = await read_body(reader, body_len, max(0.01, outcome.deadline - clock.now()))
+                        self.traffic.count(header["type"], received=body_len)
+                    except BaseException:
+                        outcome.abort()
+                        raise
+                    reply = await outcome.complete(body)
+            except ProtocolError as e:
+                reply = self.service.refusal(header, Code.MALFORMED, str(e))
+            except (TimeoutError, asyncio.IncompleteReadError, OSError, ConnectionError):
+                writer.close()
+                return
+            except Exception as e:  # a bug must not silently drop the stream: answer, and say what it was
+                logger.exception("handler failed on a message from %s", sender)
+                reply = self.service.refusal(header, Code.INTERNAL, f"internal error: {type(e).__name__}")
+            self.traffic.count(header.get("type", "?"), sent=len(reply[1]) + 64)
+            if slot is None:
+                await _write(writer, reply, self.write_timeout)
+                return
+            taking = slot
+            taking.writing, taking.moved = True, clock.now()
+            await _write(writer, reply, self.write_timeout, moved=lambda: setattr(taking, "moved", clock.now()))
+        finally:
+            self._give_back(slot)
 
 
-async def _write(writer: Any, reply: Reply, timeout: float, close: bool = True) -> None:
+def _abort(writer: Any) -> None:
+    """Drops a stream at once, with whatever is still buffered."""
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()
+    else:
+        writer.close()
+
+
+async def _write(writer: Any, reply: Reply, timeout: float, close: bool = True,
+                 moved: Callable[[], None] | None = None) -> None:
     """Writes one reply frame within ``timeout`` seconds; past it, the stream is aborted with
-    whatever is still buffered (a peer that never reads pins no memory here)."""
+    whatever is still buffered (a peer that never reads pins no memory here). With ``moved``, the
+    frame goes in ``CHUNK``-byte writes and ``moved`` is called each time one has drained (the
+    server's measure of a stalled reply)."""
     header, body = reply
+    frame = encode_header(header, len(body)) + body
     try:
         async with asyncio.timeout(timeout):
-            writer.write(encode_header(header, len(body)) + body)
-            await writer.drain()
+            if moved is None:
+                writer.write(frame)
+                await writer.drain()
+            else:
+                view = memoryview(frame)
+                for at in range(0, len(view), CHUNK):
+                    writer.write(view[at:at + CHUNK])
+                    await writer.drain()
+                    moved()
     except TimeoutError:
-        transport = getattr(writer, "transport", None)
-        if transport is not None:
-            transport.abort()
+        _abort(writer)
         close = True
     except (OSError, ConnectionError):
         close = True

@@ -253,6 +253,24 @@ def test_a_run_spreads_its_ready_records_over_buckets_and_keeps_one_state(expect
             assert all(len({bucket_of(r, p, 1) for p in g}) == 1 for g in groups)
 
 
+@pytest.mark.parametrize("attackers", [8, 66])
+def test_a_joiner_syncs_the_honest_state_while_attackers_hold_silent_state_streams(attackers: int) -> None:
+    # review N2: 8 identities x 4 silent streams held every state server's 32 slots, so a joiner got
+    # BUSY from every donor and trained alone; 66 x 4 also fill the 256 places of streams waiting
+    # for a header, so newcomers take the heaviest holder's oldest place
+    n = 5
+    sc = Scenario(peers=n + attackers, rounds=4, target=4, seed=1, dishonest=tuple(range(n, n + attackers)),
+                  attacker_prefixes=1, attacks=("serving_lockout",), join_at=(0, 0, 0, 0, 12.0))
+    result = simulate(sc)
+    assert LIBRARY["serving_lockout"].happened(result) is not None
+    if attackers > 64:
+        assert any(inc.service.server.evicted for p in result.peers[:4] for inc in p.incarnations)
+    joiner = "\n".join(result.peers[4].log)
+    assert "synced to round" in joiner and "ALONE" not in joiner, joiner[:2000]
+    ends = {rec["state_hash"] for i, rec in result.records if rec.get("event") == "round" and rec["round"] == 3}
+    assert len(ends) == 1, ends
+
+
 def test_a_member_whose_plan_differs_from_its_reducers_refuses_the_mean_but_bans_nobody() -> None:
     # found by the search's slow family (seed 2,000,139 as first drawn): an honest member banned its
     # honest reducer for forwarding a mean whose signer was a designee on the reducer's board, not on

@@ -153,6 +153,109 @@ def test_a_silent_stream_is_closed_at_the_header_deadline(monkeypatch: pytest.Mo
     assert run(go()) == (1, 0)
 
 
+def test_silent_streams_wait_apart_from_the_slots_and_give_their_place_to_a_newcomer() -> None:
+    """Review 2026-12-02 N2: silent streams held every shared slot before their header came. Now they
+    hold only places among the waiting streams, and the heaviest holder's oldest gives way."""
+
+    async def go() -> tuple[Reply, Reply, Server, list[bytes]]:
+        net = MemoryNetwork()
+        flooders = [net.link(Identity.generate().peer_id) for _ in range(2)]
+        a, b = net.link(A), net.link(B)
+        sink = Sink(size=1)
+        server = Server(sink, max_others=2, max_per_peer=4, max_pending=8)
+        await b.serve(PROTO, server)
+        silent = [await f.open(B, PROTO, 1.0) for f in flooders for _ in range(4)]  # 8 waiting: all places
+        await asyncio.sleep(0.05)
+        assert server.pending == 8 and server.others == 0
+        honest = await request(a, B, PROTO, header(), b"x", timeout=2)  # takes the first flooder's oldest place
+        reader, _ = silent[0]
+        evicted, _ = await link_mod.read_header(reader, 1.0)
+        for _, writer in silent:
+            writer.close()
+        return honest, evicted, server, sink.bodies
+
+    honest, evicted, server, bodies = run(go())
+    assert honest[0]["code"] == Code.OK and bodies == [b"x"]
+    assert evicted["code"] == Code.BUSY and server.evicted == 1
+
+
+def test_the_newcomer_that_would_hold_the_most_waiting_streams_is_refused() -> None:
+    async def go() -> tuple[int, Server]:
+        net = MemoryNetwork()
+        a, b = net.link(A), net.link(B)
+        server = Server(Sink(size=1), max_per_peer=8, max_pending=4)
+        await b.serve(PROTO, server)
+        silent = [await a.open(B, PROTO, 1.0) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        reader, _ = silent[4]
+        refused, _ = await link_mod.read_header(reader, 1.0)
+        for _, writer in silent:
+            writer.close()
+        return refused["code"], server
+
+    code, server = run(go())
+    assert code == Code.BUSY and server.evicted == 0 and server.refused_busy == 1
+
+
+class _Writer:
+    """A stream writer; ``stuck``: its requester never reads (``drain`` never returns until aborted)."""
+
+    def __init__(self, stuck: bool) -> None:
+        self.stuck, self.written, self.aborted, self._gone = stuck, 0, False, asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        if self.aborted:
+            raise ConnectionResetError("aborted")
+        self.written += len(data)
+
+    async def drain(self) -> None:
+        if self.stuck:
+            await self._gone.wait()
+            raise ConnectionResetError("aborted")
+
+    @property
+    def transport(self) -> _Writer:
+        return self
+
+    def abort(self) -> None:
+        self.aborted = True
+        self._gone.set()
+
+    def close(self) -> None:
+        self._gone.set()
+
+
+def test_a_reply_that_nobody_reads_gives_its_slot_to_a_newcomer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link_mod, "STALL_S", 0.1)
+    from hivetrain.peer.net.wire import encode_header
+
+    class Big(Sink):
+        def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
+            return ack(Code.OK)[0], b"y" * (1 << 20)
+
+    def asking() -> asyncio.StreamReader:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_header({"type": "state_req", "run": RUN, "round": 1, "base": RUN, "index": 0}, 0))
+        return reader
+
+    async def go() -> tuple[_Writer, _Writer, _Writer, Server]:
+        server = Server(Big(size=0), max_others=1)
+        stuck, early, late = _Writer(True), _Writer(False), _Writer(True)
+        hog = asyncio.create_task(server.handle("hog", asking(), stuck))
+        await asyncio.sleep(0.01)
+        await server.handle("early", asking(), early)  # the slot is taken, its write not yet stalled: BUSY
+        await asyncio.sleep(0.2)
+        newcomer = asyncio.create_task(server.handle("late", asking(), late))
+        await asyncio.wait_for(hog, 1.0)  # the hog's stream was aborted
+        newcomer.cancel()
+        return stuck, early, late, server
+
+    stuck, early, late, server = run(go())
+    assert stuck.aborted and server.evicted == 1
+    assert 0 < early.written < 1000  # a refusal: a header only
+    assert late.written >= 1 << 16  # the newcomer's reply is being written in the freed slot
+
+
 def test_an_oversized_header_is_refused_before_it_is_read() -> None:
     async def go() -> dict[str, Any]:
         net = MemoryNetwork()
