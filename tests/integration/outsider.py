@@ -7,6 +7,13 @@ to a JSON file.
 
 VERSION: the averaging protocol's version (part of its libp2p protocol name; an attacker reads it
 off the peers' code), 6 unless given.
+
+    python tests/integration/outsider.py lockout MADDR SPEC_HASH PEER_ID[,PEER_ID...] IDENTITIES SECONDS OUT.json VERSION HOLD
+
+Serving lockout (review N2): IDENTITIES transport identities (one p2p daemon each) hold as many
+silent streams as each peer lets one requester have (4) on every peer's state-serving protocol
+(VERSION: its version), reopening each one the peer drops, until SECONDS pass or OUT.json.stop
+exists. OUT.json.holding appears once it holds HOLD streams at every peer at once.
 """
 
 from __future__ import annotations
@@ -81,10 +88,10 @@ async def honest_heartbeats(node: DHTNode, run_key: str) -> list[dict[str, Any]]
     return out
 
 
-async def reply_code(reader: asyncio.StreamReader) -> str:
+async def reply_code(reader: asyncio.StreamReader, timeout: float | None = 5) -> str:
     """The code of the one frame a peer sent on a stream (or what happened instead)."""
     try:
-        prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), 5)
+        prefix = await asyncio.wait_for(reader.readexactly(PREFIX.size), timeout)
         _, header_len, _ = PREFIX.unpack(prefix)
         header = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(header_len), 5), raw=False)
         return f"code {header['code']}" if header.get("type") == "ack" else str(header.get("type"))
@@ -220,7 +227,58 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
         await p2p.shutdown()
 
 
-if __name__ == "__main__":
+PER_REQUESTER = 4  # the silent streams one identity may hold at one peer's state server
+
+
+async def lockout(maddr: str, spec_hash: str, peers: list[str], identities: int, seconds: float, out: str,
+                  version: int, enough: int) -> None:
+    log: dict[str, Any] = {"identities": [], "replies": {}, "opened": 0, "samples": []}
+    nodes = await asyncio.gather(*(P2P.create(initial_peers=[maddr]) for _ in range(identities)))
+    log["identities"] = [n.peer_id.to_base58() for n in nodes]
+    protocol = f"hivetrain/state/{version}/{spec_hash[:32]}"  # (state serving: peer/state/serve.py)
+    held = dict.fromkeys(peers, 0)
+
+    async def hold(node: P2P, peer: str) -> None:
+        while True:
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    node.call_binary_stream_handler(PeerID.from_base58(peer), protocol), 5)
+            except Exception as e:
+                what = type(e).__name__
+            else:
+                log["opened"] += 1
+                held[peer] += 1
+                try:
+                    what = await reply_code(reader, timeout=None)  # whatever the peer does with a silent stream
+                finally:
+                    held[peer] -= 1
+                    writer.close()
+            log["replies"][what] = log["replies"].get(what, 0) + 1
+            if what != "IncompleteReadError":  # refused, or could not open: not in a tight loop
+                await asyncio.sleep(0.2)
+
+    tasks = [asyncio.ensure_future(hold(n, p)) for n in nodes for p in peers for _ in range(PER_REQUESTER)]
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end and not os.path.exists(out + ".stop"):
+            log["samples"].append([held[p] for p in peers])
+            if all(held[p] >= enough for p in peers) and not os.path.exists(out + ".holding"):
+                open(out + ".holding", "w").close()
+            await asyncio.sleep(0.25)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with open(out, "w") as f:
+            json.dump(log, f)
+        await asyncio.gather(*(n.shutdown() for n in nodes), return_exceptions=True)
+
+
+if __name__ == "__main__" and sys.argv[1] == "lockout":
+    maddr, spec_hash, peers, identities, seconds, out, version, enough = sys.argv[2:10]
+    asyncio.run(lockout(maddr, spec_hash, peers.split(","), int(identities), float(seconds), out, int(version),
+                        int(enough)))
+elif __name__ == "__main__":
     maddr, run_key, spec_hash, peers, seconds, out = sys.argv[1:7]
     version = int(sys.argv[7]) if len(sys.argv) > 7 else 6
     asyncio.run(main(maddr, run_key, spec_hash, peers.split(","), float(seconds), out, version))

@@ -4,7 +4,8 @@ round 10^9 and round+1, a heartbeat in an honest peer's name, ready records of i
 never answer, an unsolicited "decided: {you, me}" view (review N1), junk frames, bodies pushed
 unasked and a flood of silent streams. The honest peers
 keep completing rounds with agreeing state hashes, never adopt the forged state, and their memory
-stays bounded."""
+stays bounded. And a serving lockout (review N2): ten outsider identities hold silent streams on
+every honest peer's state server while a fresh joiner starts; it syncs the honest state."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from hivetrain.peer.averaging.context import PROTOCOL_VERSION
+from hivetrain.peer.state.serve import MAX_SERVING
+from hivetrain.peer.state.serve import PROTOCOL_VERSION as STATE_VERSION
 
 from .conftest import PeerProc, wait_until
 
@@ -112,3 +115,58 @@ def test_an_outsider_with_stock_hivemind_cannot_take_over_split_or_stall_the_run
     growth = [b - a for a, b in zip(baseline, peak, strict=True)]
     print(f"RSS per peer (MB): baseline {[round(x) for x in baseline]}, peak {[round(x) for x in peak]}")
     assert max(growth) < 300, growth
+
+
+def test_a_joiner_syncs_the_honest_state_while_an_outsider_holds_silent_state_streams(swarm, tmp_path: Path) -> None:
+    """Review N2 with real processes: 10 outsider identities hold 4 silent streams each (as many as a
+    requester may) on every honest peer's state server, 40 in all, more than the 32 slots its
+    non-members share. Before 2026-12-05 they held every slot and a joiner trained alone; a stream
+    now takes a slot only once its request header is here, so the joiner's request is served."""
+    rounds = ["--sync-every", "3", "--until-round", "10", "--quiet"]
+    owner = swarm("p0", "--new-run", "lockout", "--target-group-size", "4", "--matchmaking-timeout", "6",
+                  "--allreduce-timeout", "15", "--wait-for-peers", "3", *rounds)
+    info = owner.wait_info()
+    join = ["--run", info["run_key"], "--initial-peers", info["maddrs"][0], *rounds]
+    peers: list[PeerProc] = [owner] + [swarm(f"p{i}", *join, "--wait-for-peers", "3") for i in (1, 2)]
+    ids = [p.wait_info()["peer_id"] for p in peers]
+    wait_until(lambda: all(len(p.records()) >= 2 for p in peers), peers, 240, "two rounds on every peer")
+    out = tmp_path / "lockout.json"
+    holding, stop = Path(f"{out}.holding"), Path(f"{out}.stop")
+    attacker = subprocess.Popen([sys.executable, str(Path(__file__).with_name("outsider.py")), "lockout",
+                                 info["maddrs"][0], info["spec_hash"], ",".join(ids), "10", "300", str(out),
+                                 str(STATE_VERSION), str(MAX_SERVING)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: holding.exists() or attacker.poll() is not None, peers, 120, "the lockout in place")
+        assert attacker.poll() is None, attacker.stderr.read().decode()[-3000:] if attacker.stderr else ""
+        joiner = swarm("p3", *join)
+        wait_until(lambda: bool(joiner.records("sync")), [*peers, joiner], 180, "the joiner's first sync")
+        held_through_the_sync = attacker.poll() is None
+        stop.touch()
+        assert attacker.wait(60) == 0, attacker.stderr.read().decode()[-3000:] if attacker.stderr else ""
+    finally:
+        if attacker.poll() is None:
+            os.killpg(attacker.pid, 9)
+    for p in [*peers, joiner]:
+        assert p.wait(240) == 0, p.log.read_text()[-3000:]
+    log = json.loads(out.read_text())
+
+    # the attack happened: from the moment it held as many silent streams as the shared slots at every
+    # honest peer to the joiner's sync, it kept them (a dropped stream is reopened at once); before the
+    # fix these were every slot, now they wait for their header apart (all 40 held)
+    assert held_through_the_sync, "the lockout ended before the joiner synced"
+    samples = log["samples"]
+    lockout = samples[next(i for i, s in enumerate(samples) if min(s) >= MAX_SERVING):]
+    held = sorted(min(s) for s in lockout)
+    assert len(held) >= 8 and held[len(held) // 2] == 40, held
+    assert sum(x >= MAX_SERVING for x in held) >= 0.9 * len(held), held
+
+    # the joiner synced the honest state during the lockout and trained with the others, bit-identical
+    honest = {(r["round"], r["state_hash"]) for r in owner.records()}
+    for sync in joiner.records("sync"):
+        assert (sync["round"] - 1, sync["state_hash"]) in honest, (sync, sorted(honest))
+    syncs = joiner.records("sync")
+    first = [r for r in joiner.records() if r["round"] == syncs[-1]["round"]][-1]
+    assert not first["void"] and first["group_size"] == 4, joiner.records()
+    assert joiner.records()[-1]["state_hash"] == owner.records()[-1]["state_hash"]
+    assert not set(log["identities"]) & {m for p in peers for r in p.records() for m in r["group"]}
