@@ -48,3 +48,7 @@ def equivocators(s: RoundSession, member: str, ours: Sequence[Statement],
                 yield auditor, f"signed two different verdicts on shard {k} (equivocation)"
             else:
                 yield member, f"forwarded a verdict on shard {k} its auditor never signed"
+        elif (member == auditor and t.verdict != NO_AUDIT and t.verdict_hash != t.result_hash
+              and valid(auditor, t.verdict_sig, verdict_message(s.where(k), t.verdict == APPROVED, t.verdict_hash))):
+            # an auditor judges the result it holds: its own statements show it judged another one
+            yield auditor, f"signed a verdict on shard {k} about a result it does not hold"

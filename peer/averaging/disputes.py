@@ -10,6 +10,13 @@ message each, checks every part against the reducer's digest, recomputes the sha
 - it agrees: the auditor accused falsely;
 - the auditor does not produce parts matching the commitments: it cannot back its claim.
 
+Only if the verdict names the result we hold: an auditor that judged another result (the reducer
+sent it a different one, or it names one it never got) is not judged here on our copy, which would
+clear a reducer that signed two results and ban its honest auditor. The agreement after the round
+(peer/averaging/agreement.py) settles that case on signatures: the reducer if the auditor holds a
+second result the reducer signed, the auditor if it signed a verdict on a result it does not hold;
+and the round is void either way (``_gather``: our result is not the one its auditor checked).
+
 Whoever is at fault is banned by every member that saw the accusation. It costs each checking
 member the n parts of one shard and one recomputation, only when there is an accusation.
 """
@@ -37,6 +44,8 @@ async def settle_accusations(ctx: PeerContext, s: RoundSession) -> dict[str, str
         auditor = s.auditor(k)
         verdict = shard.verdict
         if verdict is None or verdict.ok or verdict.finding != WRONG_AGGREGATE or auditor in (None, ctx.me):
+            continue
+        if verdict.result_hash != shard.result_hash:  # it judged another result than ours: the agreement settles it
             continue
         if ctx.me == s.reducer(k):  # we computed that shard ourselves: the accusation is false
             guilty[auditor] = f"accused us falsely of a wrong aggregate in shard {k}"

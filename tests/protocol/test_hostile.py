@@ -6,6 +6,7 @@ was refused and attributed, and that the honest members stayed bit-identical (or
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
@@ -16,11 +17,12 @@ import torch
 
 from hivetrain.dht.identity import Identity
 from hivetrain.kernels.int8 import Codec
+from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.ready import Ready
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.simulation import LocalSwarm
-from hivetrain.peer.averaging.statements import commitment, sign_result
+from hivetrain.peer.averaging.statements import REJECTED, commitment, sign_result, sign_verdict
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.net.link import Server
@@ -369,6 +371,70 @@ def test_an_equivocating_reducer_is_proven_and_banned_by_every_member() -> None:
         nxt = swarm.all_reduce(1, BASE, deltas(n, seed=1))
         for r in completed(nxt[:3]):
             assert cheat_id not in r.group  # never grouped with again
+    finally:
+        swarm.close()
+
+
+def test_a_reducer_that_sends_its_auditor_another_result_is_convicted_and_the_auditor_kept() -> None:
+    """The mirror of the test above: the auditor gets a wrong result (and rejects it), the other members
+    the honest one. Their recomputation on their own copy finds nothing wrong; they must not ban the
+    auditor for it (the search found honest auditors banned this way, I3), and the reducer's two
+    signed results convict it."""
+    n = 4
+    swarm = LocalSwarm(spec(n, cross_groups=False), NUMEL, n)
+    cheat_id = swarm.ids()[3]
+
+    class Misleads(Behaviour):
+        fired = False
+
+        def result_for(self, round_: int, shard: int, recipient: str, result: bytes, numel: int,
+                       codec: Codec) -> bytes:
+            if recipient != session_of(swarm, 3, round_).auditor(shard):
+                return result
+            Misleads.fired = True
+            return bytes(codec.encode(codec.decode(result, numel) * 3.0))  # signed all the same
+
+    swarm.peers[3].ctx.behaviour = Misleads()
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        assert Misleads.fired
+        s = session_of(swarm, 0, 0)
+        auditor = s.auditor(s.order.index(cheat_id))
+        assert auditor is not None and auditor != cheat_id
+        for i in range(3):
+            assert swarm.peers[i].ctx.bans.why(auditor) is None, (i, swarm.peers[i].ctx.bans.why(auditor), story(results))
+            assert swarm.peers[i].ctx.bans.why(cheat_id), (i, story(results))
+        assert sum("equivocation" in (swarm.peers[i].ctx.bans.why(cheat_id) or "") for i in range(3)) >= 2
+        applied = {r.applied for r in results[:3] if not isinstance(r, RoundFailed)}
+        assert len(applied) <= 1, story(results)
+    finally:
+        swarm.close()
+
+
+def test_an_auditor_whose_verdict_names_a_result_it_does_not_hold_is_convicted_by_its_own_statements() -> None:
+    """The other half of the rule: an auditor judges the result it holds. Its own statements, signed
+    by it, showing a verdict on another result convict it (agreement.equivocators)."""
+    n = 4
+    swarm = LocalSwarm(spec(n, cross_groups=False), NUMEL, n)
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        assert len(completed(results)) == n, story(results)
+        s = session_of(swarm, 0, 0)
+        k = s.mine[0]
+        auditor = s.auditor(k)
+        assert auditor is not None
+        theirs = held_statements(session_of(swarm, swarm.ids().index(auditor), 0))
+        ours = held_statements(s)
+        assert list(equivocators(s, auditor, ours, theirs)) == []  # honest: nothing to say
+        other = hashlib.sha256(b"a result nobody sent").digest()
+        liar = swarm.peers[swarm.ids().index(auditor)].ctx.identity
+        theirs[k] = dataclasses.replace(theirs[k], verdict=REJECTED, verdict_hash=other,
+                                        verdict_sig=sign_verdict(liar, s.where(k), False, other))
+        found = list(equivocators(s, auditor, ours, theirs))
+        assert (auditor, f"signed two different verdicts on shard {k} (equivocation)") in found, found
+        ours[k] = theirs[k]  # even where we hold that same verdict: its own result is not the one it judged
+        assert list(equivocators(s, auditor, ours, theirs)) == [
+            (auditor, f"signed a verdict on shard {k} about a result it does not hold")]
     finally:
         swarm.close()
 
