@@ -74,7 +74,7 @@ class Matchmaking:
         self.level = level  # the round has 2^level ready buckets; we read ours alone (peer/averaging/ready.py)
         self.bucket = bucket_of(round_, ctx.me, level)
         # our reachability and uplink claim are fixed for the round
-        self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim())
+        self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim(), order=self._priority)
         self.changed = asyncio.Event()
         self.urgent: set[str] = set()  # candidates whose part for this round reached us: they decided
         self.early: set[str] = set()  # peers whose part reached us before we decided (at most MAX_GROUP kept)

@@ -43,6 +43,7 @@ from hivetrain.peer.net.prefixes import cap_by_prefix
 from hivetrain.peer.net.wire import MAX_GROUP
 
 Priority = Callable[[str], tuple[float, bytes]]  # smaller sorts first = kept first
+MAX_CANDIDATES = 4 * MAX_GROUP  # peers a view keeps as candidates (the highest priority)
 MAX_MARKS = 4096  # peers whose reachability and uplink claims a view keeps (a derived partition reads the board)
 MAX_HINTS = 2 * MAX_GROUP  # peers named by others that we ask per round; names beyond are ignored
 STRIKES = 3  # sweeps a member may disagree with a view of ours that stands still, before we act ...
@@ -86,18 +87,39 @@ class View:
     me_up: int = 0  # our uplink claim (fixed for the round)
     allowed: frozenset[str] | None = None  # our part of the round's derived partition (None: not derived)
     left_out: frozenset[str] = frozenset()  # candidates the partition put elsewhere, or nowhere (not on our board)
+    order: Priority | None = None  # who keeps a place among the candidates when they are full (None: first come)
+    evicted: int = 0  # candidates that gave their place to one of higher priority
 
     def effective(self) -> frozenset[str]:
         return frozenset((self.candidates | {self.me}) - set(self.excluded) - set(self.capped))
 
     def add(self, peer: str) -> bool:
-        """A peer known first-hand to be ready; returns True if the view grew."""
-        if peer == self.me or peer in self.candidates or len(self.candidates) >= 4 * MAX_GROUP:
-            return False  # the cap bounds memory; which peers count is decided by the caps on effective()
+        """A peer known first-hand to be ready; returns True if the view grew. When the candidates
+        are full (the cap bounds memory), a newcomer of higher priority (``order``) takes the place
+        of the lowest: 256 silent identities that asked first no longer keep out the peers we
+        averaged with (review N5); which candidates count is then decided by the caps on effective()."""
+        if peer == self.me or peer in self.candidates:
+            return False
         if self.allowed is not None and peer not in self.allowed:
             return False  # another group of the round's partition
+        if len(self.candidates) >= MAX_CANDIDATES:
+            if self.order is None or self.decided is not None:
+                return False
+            order = self.order
+            lowest = max(self.candidates, key=lambda p: (p in self.excluded, order(p)))  # the excluded go first
+            if lowest not in self.excluded and order(peer) >= order(lowest):
+                return False
+            self._forget(lowest)
         self.candidates.add(peer)
         return True
+
+    def _forget(self, peer: str) -> None:
+        """Drops a candidate and what we kept of it (it may come back as a newcomer)."""
+        self.candidates.discard(peer)
+        for kept in (self.reports, self.capped, self.strikes, self.claims):
+            kept.pop(peer, None)
+        self.closed.discard(peer)
+        self.evicted += 1
 
     def mark(self, peer: str, closed: bool, up: int = 0) -> None:
         """A peer's own, first-hand claims of whether it can be dialed and of its uplink (its

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from hivetrain.peer.averaging.views import (
+    MAX_CANDIDATES,
     Caps,
     Report,
     View,
@@ -127,6 +128,36 @@ def test_a_view_never_exceeds_max_group() -> None:
         view.add(p)
     report = outgoing(view, caps_for(me))
     assert len(report.members) == 64 and len(report.excluded) <= 64 and me in report.members
+
+
+def test_full_candidates_keep_the_highest_priority_not_the_first_to_ask_review_n5() -> None:
+    me = "p0"
+    trust = Trust()
+    trust.record_completed(ROUND - 1, [me, "partner"], me)
+    caps = caps_for(me, trust)
+    view = View(ROUND, BASE, me, order=caps.priority)
+    flood = ids("sybil", MAX_CANDIDATES)
+    for p in flood:  # silent identities that asked first: each one view request
+        assert view.add(p)
+    assert len(view.candidates) == MAX_CANDIDATES
+    ranked = sorted(flood, key=caps.priority)
+    # a stranger ranked below every one of them is refused; our partner of the last round (trust) and a
+    # stranger ranked above the lowest each take the place of the lowest
+    below = next(p for p in ids("late", 10_000) if caps.priority(p) > caps.priority(ranked[-1]))
+    above = next(p for p in ids("late", 10_000) if caps.priority(p) < caps.priority(ranked[-1]))
+    assert not view.add(below) and below not in view.candidates
+    assert view.add("partner") and "partner" in view.candidates and ranked[-1] not in view.candidates
+    assert view.add(above) and ranked[-2] not in view.candidates
+    assert len(view.candidates) == MAX_CANDIDATES and view.evicted == 2
+    # an excluded candidate gives its place first, whatever its rank
+    view.exclude(ranked[0], "did not answer")
+    assert view.add(below) and ranked[0] not in view.candidates and ranked[-3] in view.candidates
+    assert "partner" in outgoing(view, caps).members
+    # without an order (or once decided) the cap is first come, as a bound on memory
+    plain = View(ROUND, BASE, me)
+    for p in flood:
+        plain.add(p)
+    assert not plain.add("partner")
 
 
 def test_a_stranger_excluding_an_established_member_only_removes_itself() -> None:
