@@ -159,12 +159,17 @@ def describe(verdict: Verdict) -> str:
 
 class Reachability:
     """Finds out how others reach this peer (peer/net/dialback.py) and keeps it up to date: again
-    every RECHECK_UNKNOWN seconds while nobody could tell, every RECHECK seconds after, in a task
-    on the link's loop. The averager reads ``closed`` at the start of each round; heartbeats carry
-    ``mode``; ``on_change`` hears of every change."""
+    every RECHECK_UNKNOWN seconds while nobody could tell, every RECHECK_FEW seconds while fewer
+    than FEW peers (of distinct prefixes) answered, every RECHECK seconds after, in a task on the
+    link's loop. A verdict of fewer answers than the one we hold (and fewer than FEW) does not
+    replace it: the first peer that connects to a newcomer, an attacker among them, does not
+    decide its reachability for good (review N3). The averager reads ``closed`` at the start of
+    each round; heartbeats carry ``mode``; ``on_change`` hears of every change."""
 
     RECHECK_UNKNOWN = 10.0
+    RECHECK_FEW = 10.0  # (a peer asked within dialback.COOLDOWN answers "busy": not counted)
     RECHECK = 600.0
+    FEW = 3
 
     def __init__(self, link: Link, runner: LoopRunner, say: Callable[[str], None],
                  on_change: Callable[[Verdict], None]):
@@ -206,6 +211,8 @@ class Reachability:
             return self.verdict
         if verdict.mode == UNKNOWN and self.verdict.mode != UNKNOWN:
             return self.verdict  # nobody answered this time: what we knew still holds
+        if len(verdict.answers) < min(self.FEW, len(self.verdict.answers)):
+            return self.verdict  # fewer answered than before (busy, gone): what more of them said holds
         changed = verdict.mode != self.verdict.mode
         self.verdict = verdict
         if changed:
@@ -223,5 +230,7 @@ class Reachability:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self.RECHECK_UNKNOWN if self.verdict.mode == UNKNOWN else self.RECHECK)
+            few = len(self.verdict.answers) < self.FEW
+            await asyncio.sleep(self.RECHECK_UNKNOWN if self.verdict.mode == UNKNOWN else
+                                self.RECHECK_FEW if few else self.RECHECK)
             await self.acheck()

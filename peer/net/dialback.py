@@ -18,6 +18,13 @@ least as many say no, and ``UNKNOWN`` when nobody answered (the first peer of a 
 reachable, and checks again once peers come). A lying answer can only make a peer join as an
 outbound-only member (it still contributes its part) or believe itself reachable (its groups
 then fail to reach it and drop it, as any unreachable peer).
+
+The asked peers are one per network prefix (/24, /48) as our own connections see them
+(peer/net/prefixes.py; exempt addresses, such as loopback, each count as their own), in the
+order we hold the connections: identities on one prefix that connect to us first get one answer
+between them, not the majority. (Review N3: 3 identities of one /24 that connected first were
+the 3 asked, said "not reachable", and every honest public peer became outbound-only, leaving an
+attacker the lone reducer.) An attacker needs as many prefixes as a majority of ASKED.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ from typing import Any, Protocol
 from hivetrain.dht import clock
 from hivetrain.dht.diagnose import tcp_endpoint
 from hivetrain.peer.net.link import Link, Reply, Server, request
+from hivetrain.peer.net.prefixes import first_prefix
 from hivetrain.peer.net.wire import MAX_DIALBACK_PORTS, Code, reason
 
 PROTOCOL = "hivetrain/dialback/2"  # 2: over the link's framing and caps
 DIRECT, OUTBOUND_ONLY, UNKNOWN = "direct", "outbound_only", "unknown"  # the heartbeat's ``reach`` values
 REACH_WORDS = {DIRECT: "reachable directly", OUTBOUND_ONLY: "outbound-only (behind NAT)", UNKNOWN: "not known"}
-ASKED = 3  # peers asked per check
+ASKED = 5  # peers asked per check, one per prefix
 DIAL_TIMEOUT = 3.0  # seconds for the asked peer's TCP connect
 ASK_TIMEOUT = DIAL_TIMEOUT + 5.0  # seconds the asker waits for one answer
 COOLDOWN = 20.0  # seconds between two checks for the same asker
@@ -136,11 +144,26 @@ class DialBackService:
         return _Check(self, sender, where[1], list(header["ports"]))
 
 
+async def one_per_prefix(link: Link, peers: Sequence[str]) -> list[str]:
+    """``peers`` in their order, keeping the first of each network prefix (exempt ones all kept)."""
+    addrs = await link.observed_addrs(peers)
+    seen: set[str] = set()
+    kept = []
+    for peer in peers:
+        prefix = first_prefix(addrs.get(peer, []))
+        if prefix is not None:
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+        kept.append(peer)
+    return kept
+
+
 async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = None) -> Verdict:
     """Asks up to ASKED peers (default: those we hold direct connections to) to dial us at
     ``ports``; call on the link's loop."""
     if peers is None:
-        peers = await link.connected()
+        peers = await one_per_prefix(link, await link.connected())
     asked = list(peers)[:ASKED]
     if not ports or not asked:
         return Verdict(UNKNOWN, (), tuple(ports))

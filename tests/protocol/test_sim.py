@@ -10,8 +10,9 @@ import pytest
 
 from hivetrain.dht.records import bucket_of, heartbeat_bucket
 from hivetrain.peer.averaging.behaviour import Behaviour
+from hivetrain.peer.net.dialback import DIRECT
 from hivetrain.peer.net.wire import Code
-from hivetrain.peer.sim.attacks import LIBRARY, banned
+from hivetrain.peer.sim.attacks import LIBRARY, attacker_ids, banned, incarnations
 from hivetrain.peer.sim.measure import row
 from hivetrain.peer.sim.search import RELAY_SEEDS, check, schedule
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
@@ -269,6 +270,20 @@ def test_a_joiner_syncs_the_honest_state_while_attackers_hold_silent_state_strea
     assert "synced to round" in joiner and "ALONE" not in joiner, joiner[:2000]
     ends = {rec["state_hash"] for i, rec in result.records if rec.get("event") == "round" and rec["round"] == 3}
     assert len(ends) == 1, ends
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_lying_dialback_answers_from_one_prefix_turn_no_honest_peer_outbound_only(seed: int) -> None:
+    # review N3: 2 identities of one /24 connected to every honest peer first, were among the 3 asked
+    # and said "not reachable": all 6 honest public peers became outbound-only. Now one answer per
+    # prefix, 5 asked, and a verdict of fewer than 3 answers (a newcomer's first) is checked again
+    sc = Scenario(peers=8, rounds=3, target=4, seed=seed, dishonest=(6, 7), attacker_prefixes=1,
+                  attacks=("dialback_lies",))
+    result = simulate(sc)
+    assert LIBRARY["dialback_lies"].happened(result) is not None  # honest peers heard the lie
+    for i, inc in incarnations(result):
+        assert inc.reachability.verdict.mode == DIRECT, (i, inc.reachability.verdict)
+        assert sum(p in attacker_ids(result) for p, _ in inc.reachability.verdict.answers) <= 1
 
 
 def test_a_member_whose_plan_differs_from_its_reducers_refuses_the_mean_but_bans_nobody() -> None:

@@ -142,3 +142,39 @@ def test_the_first_peer_of_a_run_says_it_does_not_know_yet() -> None:
                     "peers join"]
     assert describe(Verdict(DIRECT, (("a", True), ("b", True)), (31337,), 2)) == (
         "reachability: reachable directly (2 of 2 peers could dial us at port 31337)")
+
+
+def test_identities_of_one_prefix_that_connect_first_get_one_answer_between_them_review_n3() -> None:
+    """Three identities on one /24 connect to us first and answer every check "could not reach you";
+    three peers on three other /24s could. One answer per prefix: we are reachable. (Before, the
+    three first connections were the three asked, and every honest public peer turned outbound-only.)"""
+    loop, net = LoopThread(), MemoryNetwork()
+    me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
+    liars = [f"liar{i}" for i in range(3)]
+    honest = [f"honest{i}" for i in range(3)]
+    try:
+        for i, peer in enumerate(liars + honest):
+            addr = f"/ip4/203.0.113.{10 + i}/tcp/4041" if peer in liars else f"/ip4/192.0.{i}.7/tcp/4041"
+            link = net.link(peer, addr)
+            loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
+            assert net.dial("me", peer)
+        assert loop.run(me.connected(), 5)[:3] == liars  # the liars are the first connections
+        assert loop.run(dialback.one_per_prefix(me, loop.run(me.connected(), 5)), 5) == [liars[0], *honest]
+        verdict = loop.run(dialback.check(me, [4040]), 15)
+        assert verdict.mode == DIRECT, verdict
+        assert dict(verdict.answers) == {liars[0]: False, **dict.fromkeys(honest, True)}  # the attack was heard once
+    finally:
+        loop.close()
+
+
+def test_a_verdict_of_fewer_answers_does_not_replace_one_of_more() -> None:
+    # (while fewer than Reachability.FEW answered, it checks again every RECHECK_FEW seconds, so that a
+    # newcomer's first verdict, from whoever connected to it first, does not stand for good)
+    said: list[str] = []
+    changes: list[str] = []
+    r, loop = _reachability([(True, False)], said, changes)
+    try:
+        r.verdict = Verdict(DIRECT, (("a", True), ("b", True), ("c", True)), (4040,), 3)
+        assert r.check().mode == DIRECT and changes == []  # one "no" against three "yes" of before
+    finally:
+        loop.close()
