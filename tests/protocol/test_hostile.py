@@ -176,11 +176,12 @@ def test_a_forged_reducer_signature_is_refused() -> None:
 # ---- finding 4: view overflow; 64+ fake members -----------------------------------------------------
 
 
-def test_seventy_fake_ready_records_and_a_fake_member_list_do_not_stop_the_honest_group() -> None:
+def test_three_hundred_fake_ready_records_and_a_fake_member_list_do_not_stop_the_honest_group() -> None:
+    # (300: more than the 256 candidates a view keeps, so a first-come cap would show: review §3, N5)
     n = 3
     swarm = LocalSwarm(spec(n, matchmaking_timeout=1.0), NUMEL, n)
     liar = Outsider(swarm)
-    fakes = [Identity.generate() for _ in range(70)]
+    fakes = [Identity.generate() for _ in range(300)]
 
     async def publish() -> None:
         for f in fakes:
@@ -211,7 +212,7 @@ def test_seventy_fake_ready_records_and_a_fake_member_list_do_not_stop_the_hones
         assert set(done[0].group) == set(swarm.ids())
         for p in swarm.peers:
             mm = p.matchmaking[0]
-            assert {f.peer_id for f in fakes} <= mm.silent  # all 70 records were on its board, and silent
+            assert {f.peer_id for f in fakes} <= mm.silent  # all 300 records were on its board, and silent
             assert liar.identity.peer_id in mm.alive  # the liar answered (and was left out for its views)
             assert liar.identity.peer_id in mm.view.excluded or liar.identity.peer_id not in (mm.view.allowed or ())
             assert not {f.peer_id for f in fakes} & set(mm.view.effective())
@@ -369,6 +370,7 @@ def test_an_equivocating_reducer_is_proven_and_banned_by_every_member() -> None:
         # (the proof: statements that members whose digests differed asked each other for)
         assert any(swarm.peers[i].sessions[0].statements for i in range(3))
         nxt = swarm.all_reduce(1, BASE, deltas(n, seed=1))
+        assert len(completed(nxt[:3])) == 3, story(nxt)  # the honest three go on together (not vacuous)
         for r in completed(nxt[:3]):
             assert cheat_id not in r.group  # never grouped with again
     finally:
@@ -407,6 +409,9 @@ def test_a_reducer_that_sends_its_auditor_another_result_is_convicted_and_the_au
         assert sum("equivocation" in (swarm.peers[i].ctx.bans.why(cheat_id) or "") for i in range(3)) >= 2
         applied = {r.applied for r in results[:3] if not isinstance(r, RoundFailed)}
         assert len(applied) <= 1, story(results)
+        nxt = swarm.all_reduce(1, BASE, deltas(n, seed=1))
+        assert len(completed(nxt[:3])) == 3, story(nxt)  # the honest three, the auditor among them, go on
+        assert all(cheat_id not in r.group for r in completed(nxt[:3]))
     finally:
         swarm.close()
 
