@@ -42,7 +42,15 @@ from hivetrain.dht import clock
 from hivetrain.kernels.errors import CodecError
 from hivetrain.peer.averaging.agreement import equivocators, held_statements
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.cross import LONG_WAIT, VOID, Desk, cross_codec, fallen_back, round_id
+from hivetrain.peer.averaging.cross import (
+    DESIGNEE_MARGIN,
+    LONG_WAIT,
+    VOID,
+    Desk,
+    cross_codec,
+    fallen_back,
+    round_id,
+)
 from hivetrain.peer.averaging.delivery import RETRY_PAUSE, Outbox, deliver, send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
 from hivetrain.peer.averaging.reduce import (
@@ -74,7 +82,6 @@ from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
-DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before we ask the next designee
 STATEMENTS_SHARE = 0.25  # of the deadline, for fetching the statements of a member that applied something else
 AUDIT_GRACE = 0.25  # share of the deadline an auditor keeps to send its verdict when parts are missing
 FINDING_CODES = {FindingKind.WRONG_AGGREGATE: 1, FindingKind.UNVERIFIABLE: 2}  # verdict.finding on the wire
@@ -202,6 +209,7 @@ class AllReduceRunner:
         assert self.desk is not None
         try:
             s.plan = await asyncio.wait_for(self.desk.get_plan(), max(0.0, s.deadline - clock.now()))
+            s.local = self.desk.mine
         except TimeoutError:
             raise RoundFailed("the round's designees could not be read from the board") from None
         s.arrived.set()
@@ -229,8 +237,9 @@ class AllReduceRunner:
 
     def _cross_header(self, k: int, j: int, weight: int, enc: int, body: bytes, attest: bool, ok: bool) -> dict[str, Any]:
         result = hashlib.sha256(body).hexdigest() if body else VOID
+        assert self.desk is not None
         return self._header("cross", k, sub=j, members=list(self.session.order), weight=weight, result=result,
-                            enc=enc, attest=attest, ok=ok)
+                            enc=enc, attest=attest, ok=ok, tier=0, bucket=self.desk.bucket, groups=1)
 
     async def _cross_shard(self, k: int) -> None:
         s, ctx = self.session, self.ctx
@@ -259,7 +268,9 @@ class AllReduceRunner:
         assert s.plan is not None
         header = self._cross_header(k, j, weight, enc, body, False, True)
         skip: set[str] = set()
-        patience = LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN  # (as long as a designee may wait)
+        # (as long as a designee may wait; with buckets, its bucket's mean waits again at the top)
+        tiers = 2 if self.desk is not None and self.desk.level > 0 else 1
+        patience = tiers * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
         try:
             while True:
                 taker = await self._to_designee(k, j, header, body, skip)
@@ -324,9 +335,9 @@ class AllReduceRunner:
         """Sends one sub-piece (or our word on it) to the first of its designees that takes it;
         returns which did."""
         s, ctx = self.session, self.ctx
-        assert s.plan is not None and self.desk is not None
+        assert s.plan is not None and self.desk is not None and self.desk.mine is not None
         why = "every designee was tried"
-        for designee in s.plan.ranked(k, j):
+        for designee in self.desk.mine.ranked(k, j):  # (our bucket's designees: the top's sign the means)
             if designee in skip:
                 continue
             if designee == ctx.me:

@@ -25,7 +25,7 @@ from hivetrain.peer.averaging.agreement import held_statements
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.cross import Desk, units
+from hivetrain.peer.averaging.cross import Desk, top_bucket, units
 from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
 from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard, grown
 from hivetrain.peer.averaging.ready import level as ready_level
@@ -40,6 +40,7 @@ from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code, reason
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SESSION_KINDS = ("part", "pledge", "relay", "result", "audit", "applied", "evidence_req", "statements_req", "cross_out")
+MAX_COMPANIONS = 4096  # peers recorded as sharing a round's means with us (trust), at most
 MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
@@ -93,6 +94,14 @@ class _CrossTicket:
 
     def abort(self) -> None:
         pass
+
+
+class _ReturnTicket(_CrossTicket):
+    """The link's ``Ticket`` for a top designee's mean of a sub-piece our bucket sent up."""
+
+    async def complete(self, body: bytes) -> Reply:
+        code, why = self.desk.returned(self.sender, self.header, body)
+        return self.averager.refusal(self.header, code, why)
 
 
 class P2PAverager:
@@ -224,21 +233,34 @@ class P2PAverager:
                  "cross_fallbacks": float(runner.fallbacks)}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
+        population_ = grown(self.base_population(population), members, ctx.spec.target_group_size) if desk else 0
+        companions = await self._companions(mm, desk, order, population_) if groups > 1 else ()
         return AverageResult(outcome.averaged, order, outcome.applied, sent, received, stats,
                              {**{p: w for p, w in mm.view.capped.items() if p not in order}, **outcome.excluded},
                              tuple(outcome.void_ranges), alone,
                              clock.now() + self._settle_s if alone else 0.0,
-                             self._companions(mm, desk, order) if groups > 1 else (),
-                             grown(self.base_population(population), members, ctx.spec.target_group_size) if desk is not None else 0)
+                             companions, population_)
 
-    @staticmethod
-    def _companions(mm: Matchmaking, desk: Desk | None, order: tuple[str, ...]) -> tuple[str, ...]:
+    async def _companions(self, mm: Matchmaking, desk: Desk | None, order: tuple[str, ...],
+                          population: int) -> tuple[str, ...]:
         """The peers beyond our group whose groups' results went into our round's means, as far as
-        we know: those ready at our base on our bucket, and on every bucket when the plan read them
-        (trust is recorded for them: in the next round, with buckets drawn again, they are no
-        newcomers to each other, and every member's caps keep the same group)."""
-        everyone = mm.ready_here | (desk.plan.ready if desk is not None and desk.plan is not None else frozenset())
-        return tuple(sorted(everyone - set(order)))
+        we know: those ready at our base in the buckets the plan read (ours and the top). Trust is
+        recorded for them, so that the peers we meet in the next round's bucket are no newcomers to
+        each other and every member's caps keep the same group: a bucket is the same every round,
+        but when the next round has fewer buckets (the state's population shrank) ours takes in
+        others, and those are read too (once, in that round only)."""
+        everyone = set(mm.ready_here | (desk.plan.ready if desk is not None and desk.plan is not None else frozenset()))
+        if desk is not None and desk.plan is not None and self.level(population) < desk.level:
+            shift = desk.level - self.level(population)
+            merged = [b for b in range(1 << desk.level) if b >> shift == desk.bucket >> shift]
+            read = {desk.bucket, top_bucket(desk.round, desk.base, desk.level)}
+            try:
+                records = await asyncio.wait_for(self.board.read(desk.round, desk.level, [b for b in merged if b not in read]),
+                                                 READ_TIMEOUT)
+                everyone |= {r.peer_id for r in records if r.done and r.base == desk.base and r.spec == self.ctx.run}
+            except Exception as e:  # (fewer companions: some of the next round's mates are newcomers to us)
+                logger.info("round %d: reading the buckets that merge into ours failed: %r", desk.round, e)
+        return tuple(sorted(everyone - set(order)))[:MAX_COMPANIONS]
 
     def _out(self, mm: Matchmaking, group: tuple[str, ...]) -> None:
         """Our round failed: we say so on the board (our ready record again, ``out``, with the group
@@ -340,6 +362,12 @@ class P2PAverager:
         if kind == "cross":
             return self._admit_cross(sender, header, body_len)
         session = self.sessions.get(round_)
+        desk = self.desks.get(round_)
+        if kind == "cross_out" and desk is not None and desk.level > 0 and header["group"] == desk.label:
+            # a top designee's mean of our bucket's sub-piece, to us as the bucket's designee: checked by the desk
+            if body_len > self.max_body:
+                return self.refusal(header, Code.WRONG_SIZE, "too large")
+            return _ReturnTicket(self, desk, sender, header)
         if kind == "cross_out":  # from a designee (not a member) or our reducer: checked by the session
             if session is None or session.group != header["group"]:
                 return self.refusal(header, Code.NOT_READY if session is None else Code.WRONG_GROUP,

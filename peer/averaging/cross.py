@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -57,7 +58,7 @@ from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.delivery import send_all
+from hivetrain.peer.averaging.delivery import deliver, send_all
 from hivetrain.peer.averaging.ready import Ready, ReadyBoard
 from hivetrain.peer.averaging.statements import valid
 from hivetrain.peer.errors import RoundFailed
@@ -75,6 +76,7 @@ MAX_CROSS_GROUPS = 256  # group results one sub-piece takes (one per group)
 MAX_EARLY_WORDS = 2 * MAX_CROSS_GROUPS  # words held per sub-piece before their groups' sub-pieces arrive
 POLL = 0.5  # s between board reads while a designee waits for groups
 LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most its designee waits for the others
+DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before the next designee is asked
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
 
@@ -110,14 +112,15 @@ class Plan:
     units: int  # shards of the round (U)
     numel: int
     t0: float = 0.0  # unix time of the earliest ready record at the base: the round's cutoff counts from it
-    ready: frozenset[str] = frozenset()  # every peer ready at the base when the plan was read (all buckets)
+    ready: frozenset[str] = frozenset()  # every peer ready at the base when the plan was read (the buckets read)
+    width: int = 0  # designees the sub-pieces are cut for: the top bucket's (0: ours)
 
     @property
     def subs(self) -> int:
-        """Sub-pieces per shard: the U x S sub-pieces about as many as the designees."""
+        """Sub-pieces per shard: the U x S sub-pieces about as many as the (top bucket's) designees."""
         shard = -(-self.numel // self.units)
         most = max(1, min(MAX_SUBS, shard // MIN_SUB_VALUES))
-        return max(1, min(most, -(-len(self.designees) // self.units)))
+        return max(1, min(most, -(-(self.width or len(self.designees)) // self.units)))
 
     def ranked(self, k: int, j: int) -> list[str]:
         """The designees of sub-piece (k, j), in order (weighted rendezvous hashing)."""
@@ -148,26 +151,57 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
                 frozenset(sorted({r.peer_id for r in ready})[:MAX_DESIGNEES]))
 
 
+def top_bucket(round_: int, base: str, level: int) -> int:
+    """The bucket whose designees average across buckets (and sign every mean) in round ``round_``
+    at ``base``: drawn from the base, so nobody knows it before the previous round has ended."""
+    if level == 0:
+        return 0
+    return int.from_bytes(hashlib.sha256(f"hivetrain-top/{round_}/{base}".encode()).digest()[:8], "big") >> (64 - level)
+
+
+def bucket_label(run: str, round_: int, base: str, bucket: int) -> str:
+    """What stands for a bucket's mean where a group hash stands for a group's (the ``group`` field)."""
+    return hashlib.sha256(f"cross-bucket/{run}/{round_}/{base}/{bucket}".encode()).hexdigest()
+
+
 async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_: int, numel: int,
                     own: Ready | None = None, timing: tuple[float, float] = (DESIGNATE_WINDOW, SETTLE),
-                    level: int = 0) -> Plan:
-    """Reads the board (every bucket of 2^level) until it has settled for the designees (SETTLE past
-    the window of the earliest ready record), then derives the plan; ``own``: our record, first-hand
-    (it may not be stored yet). RoundFailed if nobody is on it."""
+                    level: int = 0, me: str = "", grace: float = 0.0) -> tuple[Plan, Plan]:
+    """(ours, top): the designees of our bucket (they average our bucket's groups) and of the round's
+    top bucket (they average the buckets' means and sign what everyone applies); one plan, both, at
+    level 0. Two buckets are read, whatever the run's size: ours and the top one (the first bucket
+    from ``top_bucket`` on with a ready record at our base). Each is read until it has settled for
+    the designees (SETTLE past the window of its earliest ready record). ``own``: our record,
+    first-hand (it may not be stored yet); ``grace``: the run's matchmaking_timeout. RoundFailed if
+    nobody is on the board."""
+    ours = bucket_of(round_, me, level) if me else 0
+    top = top_bucket(round_, base, level)
     for _ in range(100):
-        records = [r for r in await board.read(round_, level) if own is None or r.peer_id != own.peer_id]
+        wanted = sorted({ours, top})
+        records = [r for r in await board.read(round_, level, wanted) if own is None or r.peer_id != own.peer_id]
         records += [own] if own is not None else []
-        ready = [r for r in records if r.done and r.base == base and r.spec == run]
-        if not ready:
+        by_bucket: dict[int, list[Ready]] = {b: [] for b in wanted}
+        for r in records:
+            by_bucket.setdefault(bucket_of(round_, r.peer_id, level), []).append(r)
+        ready = {b: [r for r in rs if r.done and r.base == base and r.spec == run] for b, rs in by_bucket.items()}
+        if not ready.get(top):
+            # a top bucket still empty when the round's stragglers are late (our bucket's cutoff): the
+            # next one is the top (every reader moves on alike; records come in seconds, not a cutoff)
+            if top != ours and ready.get(ours) and clock.wall() >= min(r.eta for r in ready[ours]) + grace + timing[1]:
+                top = (top + 1) % (1 << level)
+                continue
             await asyncio.sleep(POLL)
             continue
-        settled = min(r.eta for r in ready) + timing[0] + timing[1]
+        settled = max(min(r.eta for r in rs) + timing[0] + timing[1] for rs in ready.values() if rs)
         if clock.wall() < settled:
             await asyncio.sleep(min(settled - clock.wall() + 0.01, 30.0))
             continue
-        plan = derive(records, round_, base, run, units_, numel, timing[0])
-        if plan.designees:
-            return plan
+        up = derive(by_bucket[top], round_, base, run, units_, numel, timing[0])
+        mine = derive(by_bucket.get(ours, []), round_, base, run, units_, numel, timing[0])
+        if up.designees:
+            everyone = frozenset(sorted(up.ready | mine.ready)[:MAX_DESIGNEES])
+            up = dataclasses.replace(up, ready=everyone)
+            return dataclasses.replace(mine, width=len(up.designees), ready=everyone), up
     raise RoundFailed(f"no designees of round {round_} on the board")
 
 
@@ -217,8 +251,8 @@ def checked(header: dict[str, Any], body: bytes, plan: Plan, fallback: str = "")
 
 @dataclass
 class _Entry:
-    holder: str  # the reducer that sent it: gets the mean back
-    group: str
+    holder: str  # who sent it and gets the mean back: a group's reducer (tier 0) or a bucket's designee (tier 1)
+    group: str  # the group's hash, or the bucket's label
     members: frozenset[str]
     weight: int
     body: bytes
@@ -226,25 +260,38 @@ class _Entry:
     result: str
     attested: bool | None = None  # another member's word on the same bytes (None: not yet)
     attester: str = ""
+    bucket: int = -1  # a bucket's mean (tier 1): which bucket
+    groups: int = 1  # the groups in it
 
     def counts(self) -> bool:
-        """Whether its values go into the mean: a group of one, or another member approved these bytes."""
-        return self.weight > 0 and bool(self.body) and (len(self.members) == 1 or self.attested is True)
+        """Whether its values go into the mean: a bucket's mean, a group of one, or another member
+        approved these bytes."""
+        return self.weight > 0 and bool(self.body) and (self.bucket >= 0 or len(self.members) == 1
+                                                         or self.attested is True)
 
 
 @dataclass
 class _Unit:
-    entries: dict[str, _Entry] = field(default_factory=dict)  # group hash -> its sub-piece
+    entries: dict[str, _Entry] = field(default_factory=dict)  # group hash (bucket label) -> its sub-piece
     first: float = 0.0
-    out: tuple[dict[str, Any], bytes] | None = None  # the signed mean, once computed
+    out: tuple[dict[str, Any], bytes] | None = None  # the signed mean, once computed (or back from the top)
     closed: bool = False
     task: asyncio.Task[None] | None = None
     early: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (group, sender) -> a word
     # that came before its group's sub-piece (the reducer's upload is still on its way): taken when it comes
+    sent: tuple[str, bytes] | None = None  # our bucket's mean as we sent it up: (its hash, its bytes)
+    back: asyncio.Future[tuple[dict[str, Any], bytes]] | None = None  # the top designee's signed mean of it
 
 
 class Desk:
-    """A designee's side of one round: takes ``cross`` requests, averages, sends the means back."""
+    """A designee's side of one round: takes ``cross`` requests, averages, sends the means back.
+
+    At level 0 (one bucket) a designee averages the groups and signs the mean. With buckets, the
+    stage has two tiers: the designees of each bucket (tier 0, ``local``) average their bucket's
+    groups and send the bucket's mean up, unsigned, to the sub-piece's designee in the round's top
+    bucket (tier 1, ``plan``), which averages the buckets' means, signs, and sends the mean back down;
+    each bucket's designee passes the signed bytes on to its groups' reducers. Every member checks
+    the signature against the top bucket's designees, so two buckets are all a member reads."""
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str,
                  local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0):
@@ -252,12 +299,18 @@ class Desk:
         self.level = level  # the round's ready records are in 2^level buckets (ready.py)
         self.local = local  # delivers a mean to ourselves (we reduced that shard in our own group)
         self.own = own  # our ready record of the round (None: we are not ready for it)
+        self.bucket = bucket_of(round_, ctx.me, level)
+        self.label = bucket_label(ctx.run, round_, base, self.bucket)
         self.units_ = units(ctx.numel, ctx.spec.target_group_size, ctx.spec.piece_values)
         self.timing = windows(ctx.spec.matchmaking_timeout)
-        self.plan: Plan | None = None
-        self._planning: asyncio.Future[Plan] | None = None
-        self.work: dict[tuple[int, int], _Unit] = {}
-        self.waiting: set[str] | None = None  # peers whose groups our means wait for (None: board not read yet)
+        self.plan: Plan | None = None  # the top bucket's designees: they sign the means (ours too at level 0)
+        self.mine: Plan | None = None  # our bucket's designees: they average our bucket's groups
+        self._planning: asyncio.Future[tuple[Plan, Plan]] | None = None
+        self.buckets: dict[int, Plan] = {}  # as a top designee: each bucket's designees (read once, when needed)
+        self._reading: asyncio.Future[dict[int, Plan]] | None = None
+        self.work: dict[tuple[int, int, int], _Unit] = {}  # (tier, shard, sub)
+        self.waiting: set[str] | None = None  # our bucket's peers whose groups our means wait for (None: not read)
+        self.waiting_buckets: set[int] | None = None  # as a top designee: the buckets whose means we wait for
         self.changed = asyncio.Event()  # set when a group or a word arrives, or ``waiting`` is read anew
         self._poller: asyncio.Task[None] | None = None
 
@@ -269,31 +322,59 @@ class Desk:
         return codec.encoded_nbytes(b - a)
 
     async def get_plan(self) -> Plan:
+        """The top bucket's plan (what members check the means against); ``mine`` is set with it."""
         if self.plan is not None:
             return self.plan
         if self._planning is None:
-            self._planning = asyncio.ensure_future(read_plan(self.board, self.round, self.base, self.ctx.run,
-                                                             self.units_, self.ctx.numel, self.own(), self.timing,
-                                                             self.level))
-        self.plan = await asyncio.shield(self._planning)
-        return self.plan
+            self._planning = asyncio.ensure_future(read_plan(
+                self.board, self.round, self.base, self.ctx.run, self.units_, self.ctx.numel, self.own(), self.timing,
+                self.level, self.ctx.me, self.ctx.spec.matchmaking_timeout))
+        mine, plan = await asyncio.shield(self._planning)
+        self.mine, self.plan = mine, plan
+        return plan
+
+    async def bucket_plans(self) -> dict[int, Plan]:
+        """Every bucket's designees, from one read of every bucket (a top designee's cost: it checks
+        that a bucket's mean comes from one of that bucket's designees)."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_buckets())
+        try:
+            return await asyncio.shield(self._reading)
+        except Exception as e:  # (a failed read is tried again by the next bucket's mean)
+            self._reading = None
+            logger.info("round %d: reading every bucket failed: %r", self.round, e)
+            return {}
+
+    async def _read_buckets(self) -> dict[int, Plan]:
+        assert self.plan is not None
+        by_bucket: dict[int, list[Ready]] = {}
+        for r in await self.board.read(self.round, self.level):
+            by_bucket.setdefault(bucket_of(self.round, r.peer_id, self.level), []).append(r)
+        return {b: dataclasses.replace(derive(rs, self.round, self.base, self.ctx.run, self.units_, self.ctx.numel,
+                                              self.timing[0]), width=len(self.plan.designees))
+                for b, rs in by_bucket.items()}
 
     async def accept(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[Code, str]:
-        """One group's sub-piece from its reducer, or another member's word on it (a ``cross``
-        request, its body read)."""
+        """One group's sub-piece from its reducer, another member's word on it, or (tier 1) a
+        bucket's mean from one of its designees (a ``cross`` request, its body read)."""
         try:
             plan = await asyncio.wait_for(self.get_plan(), sum(self.timing) + 5.0)
         except (TimeoutError, RoundFailed) as e:
             return Code.NOT_READY, f"no plan for round {self.round}: {e}"
-        k, j = header["shard"], header["sub"]
+        mine = self.mine or plan  # (one plan at level 0)
+        k, j, tier = header["shard"], header["sub"], header["tier"]
         if k >= plan.units or j >= plan.subs:
             return Code.MALFORMED, f"sub-piece ({k}, {j}) does not exist"
-        if self.ctx.me not in plan.ranked(k, j):
-            return Code.WRONG_ROLE, f"we are not a designee of sub-piece ({k}, {j})"
+        if tier == 1:
+            return await self._accept_bucket(sender, header, body, plan)
+        if self.ctx.me not in mine.ranked(k, j):
+            return Code.WRONG_ROLE, f"we are not a designee of sub-piece ({k}, {j}) in our bucket"
+        if bucket_of(self.round, sender, self.level) != self.bucket:
+            return Code.WRONG_ROLE, "a group's sub-piece goes to the designees of its own bucket"
         members = frozenset(header["members"])
         if sender not in members or header["weight"] > len(members) or not 1 <= header["enc"] <= MAX_GROUP:
             return Code.MALFORMED, "the sender is not in the group it names, or the weight exceeds it"
-        unit = self.work.setdefault((k, j), _Unit())
+        unit = self.work.setdefault((0, k, j), _Unit())
         if unit.out is not None or unit.closed:
             return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
         group = header["group"]
@@ -314,11 +395,9 @@ class Desk:
                 return (Code.DUPLICATE, "") if entry.attester == sender else (Code.DUPLICATE, "attested already")
             self._attest(entry, sender, header)
             return Code.OK, ""
-        codec = self.ctx.codec.for_results(header["enc"])
-        if body and len(body) != self.sub_nbytes(k, j, codec):
-            return Code.WRONG_SIZE, f"sub-piece ({k}, {j}) has {len(body)} bytes"
-        if (header["weight"] > 0) != bool(body) or (hashlib.sha256(body).hexdigest() if body else VOID) != header["result"]:
-            return Code.MALFORMED, "a weight without values, or values that do not match their hash"
+        why = self._body_error(k, j, header, body)
+        if why:
+            return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
         if entry is not None:
             same = entry.body == body and entry.holder == sender
             return (Code.DUPLICATE, "") if same else (Code.EQUIVOCATION, "another sub-piece for that group")
@@ -332,12 +411,53 @@ class Desk:
                 del unit.early[(g, attester)]
                 if entry.attested is None and attester != sender and attester in members:
                     self._attest(entry, attester, word)
+        self._start(0, k, j, unit)
+        return Code.OK, ""
+
+    async def _accept_bucket(self, sender: str, header: dict[str, Any], body: bytes, plan: Plan) -> tuple[Code, str]:
+        """A bucket's mean of sub-piece (k, j), for us as the sub-piece's top designee."""
+        k, j, b = header["shard"], header["sub"], header["bucket"]
+        if self.level == 0 or b >= 1 << self.level:
+            return Code.MALFORMED, "no such bucket in this round"
+        if self.ctx.me not in plan.ranked(k, j):
+            return Code.WRONG_ROLE, f"we are not a top designee of sub-piece ({k}, {j})"
+        if header["attest"] or header["group"] != bucket_label(self.ctx.run, self.round, self.base, b) or \
+                not 1 <= header["enc"] <= MAX_GROUP:
+            return Code.MALFORMED, "a bucket's mean names its bucket, and nobody attests it"
+        bucket = (await self.bucket_plans()).get(b)
+        if bucket is None or sender not in bucket.ranked(k, j):
+            return Code.WRONG_ROLE, f"{sender} is not a designee of sub-piece ({k}, {j}) in bucket {b}"
+        if header["weight"] > max(1, len(bucket.ready)):
+            return Code.MALFORMED, f"a weight of {header['weight']} from a bucket of {len(bucket.ready)} ready peers"
+        why = self._body_error(k, j, header, body)
+        if why:
+            return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
+        unit = self.work.setdefault((1, k, j), _Unit())
+        if unit.out is not None or unit.closed:
+            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+        entry = unit.entries.get(header["group"])
+        if entry is not None:
+            return (Code.DUPLICATE, "") if entry.body == body else (Code.EQUIVOCATION, "another mean for that bucket")
+        unit.entries[header["group"]] = _Entry(sender, header["group"], frozenset({sender}), header["weight"], body,
+                                               header["enc"], header["result"], bucket=b, groups=header["groups"])
+        self._start(1, k, j, unit)
+        return Code.OK, ""
+
+    def _body_error(self, k: int, j: int, header: dict[str, Any], body: bytes) -> str:
+        codec = self.ctx.codec.for_results(header["enc"])
+        if body and len(body) != self.sub_nbytes(k, j, codec):
+            return f"sub-piece ({k}, {j}) has {len(body)} bytes"
+        if (header["weight"] > 0) != bool(body) or (hashlib.sha256(body).hexdigest() if body else VOID) != header["result"]:
+            return "a weight without values, or values that do not match their hash"
+        return ""
+
+    def _start(self, tier: int, k: int, j: int, unit: _Unit) -> None:
         if unit.task is None:
             unit.first = clock.now()
-            unit.task = asyncio.ensure_future(self._finish(k, j, unit))
-        self._watch()
+            unit.task = asyncio.ensure_future(self._finish(tier, k, j, unit))
+        if self._poller is None:
+            self._poller = asyncio.ensure_future(self._poll())
         self.changed.set()
-        return Code.OK, ""
 
     def _attest(self, entry: _Entry, sender: str, header: dict[str, Any]) -> None:
         """Another member's word on ``entry``: approved if it names the same bytes, group and weight."""
@@ -346,25 +466,39 @@ class Desk:
         entry.attested, entry.attester = bool(header["ok"]) and same, sender
         self.changed.set()
 
-    def _watch(self) -> None:
-        if self._poller is None:
-            self._poller = asyncio.ensure_future(self._poll())
+    def returned(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[Code, str]:
+        """The top designee's signed mean of our bucket's sub-piece (a ``cross_out`` to our label)."""
+        if self.plan is None:
+            return Code.NOT_READY, "no plan yet"
+        k, j = header["shard"], header["sub"]
+        unit = self.work.get((0, k, j))
+        if unit is None or unit.back is None or unit.sent is None:
+            return Code.NOT_MEMBER, f"we sent no mean of sub-piece ({k}, {j}) up"
+        if not body and header["result"] == unit.sent[0]:  # the top's mean is our bytes: sent back without them
+            body = unit.sent[1]
+        why = checked(header, body, self.plan)
+        if why:
+            return Code.MALFORMED, why
+        if unit.back.done():
+            return Code.DUPLICATE, ""
+        unit.back.set_result((header, body))
+        return Code.OK, ""
 
     async def _poll(self) -> None:
-        """Who is on the round's board: the peers our means should wait for. Every bucket is read
-        until the cutoff has settled (a peer may still become ready in any of them); after it, only
-        the buckets of peers whose groups have yet to arrive (whose records can still say ``out``:
-        a group, derived within one bucket, says so in its own)."""
+        """Who is on the round's board: the peers (the buckets, as a top designee) our means should
+        wait for. Our bucket is read (every bucket, while a top mean waits: until the cutoff has
+        settled, then only the buckets whose means have yet to arrive)."""
         held: dict[int, list[Ready]] = {}  # bucket -> its records, as last read
+        whole = False  # whether every bucket was read once
         while any(u.out is None and not u.closed for u in self.work.values()):
-            buckets: list[int] | None = None
-            if held and self.waiting is not None and self.plan is not None and \
+            top = [u for (tier, _, _), u in self.work.items() if tier == 1 and u.out is None and not u.closed]
+            buckets: list[int] | None = [self.bucket] if not top else None
+            if top and held and self.waiting_buckets is not None and self.plan is not None and \
                     clock.wall() >= self.plan.t0 + self.ctx.spec.matchmaking_timeout + self.timing[1]:
-                missing = set().union(*(self.waiting - set().union(*(e.members for e in u.entries.values()))
-                                        for u in self.work.values() if u.out is None and not u.closed))
-                buckets = sorted({bucket_of(self.round, p, self.level) for p in missing})
+                arrived = set.intersection(*({e.bucket for e in u.entries.values()} for u in top))
+                buckets = sorted((self.waiting_buckets - arrived) | {self.bucket})
             try:
-                records = await self.board.read(self.round, self.level, buckets) if buckets != [] else []
+                records = await self.board.read(self.round, self.level, buckets)
             except Exception as e:
                 logger.debug("round %d: board read failed: %r", self.round, e)
                 records = []
@@ -372,20 +506,25 @@ class Desk:
             for r in records:
                 fresh.setdefault(bucket_of(self.round, r.peer_id, self.level), []).append(r)
             held.update(fresh)  # (a bucket whose read failed keeps what we had)
-            if held:
-                self.waiting = self.waited([r for rs in held.values() for r in rs])
-                self.changed.set()
+            whole = whole or (buckets is None and bool(records))
+            if self.bucket in held and self.plan is not None:
+                self.waiting = self.waited(held[self.bucket], self.mine or self.plan)
+            if top and self.plan is not None and whole:
+                everyone = self.waited([r for rs in held.values() for r in rs], self.plan)
+                self.waiting_buckets = {bucket_of(self.round, p, self.level) for p in everyone}
+            self.changed.set()
             await asyncio.sleep(POLL)
 
-    def waited(self, records: Sequence[Ready]) -> set[str]:
+    def waited(self, records: Sequence[Ready], plan: Plan | None = None) -> set[str]:
         """The peers in the round, from the board: ready at our base by the round's cutoff (the
         earliest ready record + ``matchmaking_timeout``, the grace any straggler gets) and, until
         the cutoff has settled, those that announced it and are not ready elsewhere; less those
         whose round failed (``out``: they said so, and named their group). A peer ready later is
         late: a group of late peers that arrives before the means are computed is in them, the
-        means never wait for one."""
-        assert self.plan is not None
-        cutoff = self.plan.t0 + self.ctx.spec.matchmaking_timeout
+        means never wait for one. ``plan``: whose earliest record the cutoff counts from (the top's)."""
+        plan = plan or self.plan
+        assert plan is not None
+        cutoff = plan.t0 + self.ctx.spec.matchmaking_timeout
         records = [r for r in records if r.spec == self.ctx.run][:MAX_DESIGNEES]
         elsewhere = {r.peer_id for r in records if r.done and r.base != self.base}
         failed = [r for r in records if r.out and r.base == self.base]
@@ -399,29 +538,46 @@ class Desk:
                        if not r.done and r.base in (self.base, ZERO) and r.peer_id not in elsewhere}
         return waited - out
 
-    async def _finish(self, k: int, j: int, unit: _Unit) -> None:
-        """Computes the sub-piece's mean once the groups of every peer in the round (``waited``)
-        arrived and were vouched for, or LONG_WAIT x ``allreduce_timeout`` past the first arrival
-        (a group that died in the cross stage: the others go on without it)."""
+    def _complete(self, tier: int, unit: _Unit) -> bool:
+        """Whether every group (bucket) the mean waits for has arrived, and been vouched for."""
+        if tier == 1:
+            return self.waiting_buckets is not None and self.waiting_buckets <= {e.bucket for e in unit.entries.values()}
+        covered = set().union(*(e.members for e in unit.entries.values()))
+        attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0 for e in unit.entries.values())
+        return self.waiting is not None and self.waiting <= covered and attested
+
+    async def _finish(self, tier: int, k: int, j: int, unit: _Unit) -> None:
+        """Computes the sub-piece's mean once the groups of every peer in the round (``waited``; as a
+        top designee, the buckets of every peer) arrived and were vouched for, or LONG_WAIT x
+        ``allreduce_timeout`` past the first arrival (a group that died in the cross stage: the
+        others go on without it). A bucket's designee (with buckets) sends its mean up and passes
+        on the signed mean that comes back; a top designee (or any at level 0) signs it."""
         patience = LONG_WAIT * self.ctx.spec.allreduce_timeout
         try:
             while unit.first + patience - clock.now() > clock.EPSILON:
-                covered = set().union(*(e.members for e in unit.entries.values()))
-                attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0
-                               for e in unit.entries.values())
-                if self.waiting is not None and self.waiting <= covered and attested:
+                if self._complete(tier, unit):
                     break
                 self.changed.clear()  # (every unit's task clears it: each then looks again within POLL / 2)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(),
                                            min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
-            header, body = await asyncio.to_thread(self._mean, k, j, list(unit.entries.values()))
+            body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, list(unit.entries.values()))
+            if tier == 0 and self.level > 0:
+                mean = await self._up(k, j, unit, body, weight, groups, enc)
+                if mean is None:
+                    return
+                header, body = mean
+            else:
+                header, body = self._signed(k, j, body, weight, groups, enc)
             unit.out = (header, body)
             sends = []
             for e in unit.entries.values():
                 if e.holder == self.ctx.me:
-                    self.local(header, body)
+                    if tier == 1:  # our own bucket's mean: back to our tier-0 side
+                        self.returned(self.ctx.me, dict(header, group=e.group), body)
+                    else:
+                        self.local(header, body)
                 else:  # (a mean that is the holder's own bytes goes back without them: it has them)
                     sends.append((e.holder, dict(header, group=e.group), b"" if body and body == e.body else body))
             deadline = clock.now() + self.ctx.spec.allreduce_timeout
@@ -429,8 +585,37 @@ class Desk:
         except Exception as e:  # a background task: say what went wrong, never raise unseen
             logger.warning("round %d: the mean of sub-piece (%d, %d) failed: %r", self.round, k, j, e)
 
-    def _mean(self, k: int, j: int, entries: list[_Entry]) -> tuple[dict[str, Any], bytes]:
-        """The weighted mean of the groups' sub-pieces, in group-hash order, encoded once (worker thread)."""
+    async def _up(self, k: int, j: int, unit: _Unit, body: bytes, weight: int, groups: int,
+                  enc: int) -> tuple[dict[str, Any], bytes] | None:
+        """Our bucket's mean of sub-piece (k, j) to its first top designee that takes it and sends the
+        signed mean back in time (then the next); None if none does: our bucket's reducers then
+        apply their groups' own values (``fallen_back``), loudly."""
+        assert self.plan is not None
+        result = hashlib.sha256(body).hexdigest() if body else VOID
+        header = self.ctx.header("cross", self.round, self.base, group=self.label, shard=k, sub=j, members=[],
+                                 weight=weight, result=result, enc=enc, attest=False, ok=True, tier=1,
+                                 bucket=self.bucket, groups=groups)
+        unit.sent = (result, body)
+        patience = LONG_WAIT * self.ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
+        for designee in self.plan.ranked(k, j):
+            unit.back = asyncio.get_running_loop().create_future()
+            deadline = clock.now() + patience
+            try:
+                if designee == self.ctx.me:
+                    code, why = await self.accept(self.ctx.me, header, body)
+                    if code not in (Code.OK, Code.DUPLICATE):
+                        raise RoundFailed(why)
+                else:
+                    await deliver(self.ctx, deadline, designee, header, body)
+                return await asyncio.wait_for(asyncio.shield(unit.back), max(0.0, deadline - clock.now()))
+            except (RoundFailed, TimeoutError) as e:
+                logger.info("round %d: top designee %s of sub-piece (%d, %d): %r", self.round, designee, k, j, e)
+        logger.warning("round %d: no top designee averaged sub-piece (%d, %d) of our bucket", self.round, k, j)
+        return None
+
+    def _mean(self, k: int, j: int, entries: list[_Entry]) -> tuple[bytes, int, int, int]:
+        """The weighted mean of the groups' (buckets') sub-pieces, in label order, encoded once
+        (worker thread): (bytes, weight, groups, enc)."""
         plan = self.plan
         assert plan is not None
         start, end = shard_bounds(self.ctx.numel, plan.units)[k]
@@ -438,7 +623,7 @@ class Desk:
         counted = [e for e in sorted(entries, key=lambda e: e.group) if e.counts()]
         if len(counted) == 1:  # one group's values: its own bytes, as its reducer encoded them
             e = counted[0]
-            return self._signed(k, j, e.body, e.weight, 1, e.enc)
+            return e.body, e.weight, e.groups, e.enc
         acc = torch.zeros(b - a, dtype=torch.float32)  # (b - a,) fp32
         total = groups = 0
         for e in counted:
@@ -450,9 +635,9 @@ class Desk:
                 continue
             acc.add_(values * float(e.weight))
             total += e.weight
-            groups += 1
+            groups += e.groups
         body = cross_codec(self.ctx.codec).encode(acc / float(total)) if total else b""
-        return self._signed(k, j, body, total, groups, MAX_GROUP)
+        return body, total, groups, MAX_GROUP
 
     def _signed(self, k: int, j: int, body: bytes, weight: int, groups: int, enc: int) -> tuple[dict[str, Any], bytes]:
         result = hashlib.sha256(body).hexdigest() if body else VOID
@@ -462,6 +647,6 @@ class Desk:
         return header, body
 
     def stop(self) -> None:
-        for task in [self._poller, self._planning, *(u.task for u in self.work.values())]:
+        for task in [self._poller, self._planning, self._reading, *(u.task for u in self.work.values())]:
             if task is not None and not task.done():
                 task.cancel()

@@ -147,7 +147,8 @@ class RoundSession:
         self.pieces = pieces_per_member(numel, nr, piece_values) if piece_values else 1
         self.units = units or nr * self.pieces  # shards of the round (``units``: the run's layout, cross.py)
         self.cross_on = units is not None  # the cross-group stage follows (peer/averaging/cross.py)
-        self.plan: Plan | None = None  # the round's designees, once derived (cross stage)
+        self.plan: Plan | None = None  # the round's designees, once derived (cross stage): the top bucket's
+        self.local: Plan | None = None  # ... and our bucket's (the same at level 0)
         self.cross: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}  # (shard, sub) -> signed mean
         # (shard, sub) -> (forwarder, header): a mean that is our group's own result, forwarded without its
         # bytes before the result itself reached us (it overtakes the megabyte): taken when the result comes
@@ -229,7 +230,9 @@ class RoundSession:
             return Code.NOT_READY, "we have not derived the round's designees yet"
         if k >= self.units or j >= self.plan.subs:
             return Code.MALFORMED, f"sub-piece ({k}, {j}) does not exist"
-        if sender != self.reducer(k) and not (sender == header["signer"] and self.reducer(k) == self.me):
+        # (to the reducer: from the signer, or, with buckets, from a designee of our bucket that passes it on)
+        carrier = sender == header["signer"] or (self.local is not None and sender in self.local.ranked(k, j))
+        if sender != self.reducer(k) and not (carrier and self.reducer(k) == self.me):
             return Code.WRONG_ROLE, f"sub-piece ({k}, {j}) comes from its designee to its reducer, then to us"
         if (k, j) in self.cross:
             same = self.cross[(k, j)][0]["result"] == header["result"]

@@ -156,8 +156,11 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # the cross-group stage (peer/averaging/cross.py): a reducer's sub-piece ``sub`` of shard ``shard`` of its
     # group's result, with the group's members and weight (members whose parts it used), to the sub-piece's designee
     # (attest: no body, another member's word that ``result`` is the group's approved sub-piece: ok)
-    "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, MAX_GROUP),
-              "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool},
+    # tier 1: a bucket's mean (``bucket``, its designee the sender, ``group`` the bucket's label, no members, the
+    # ``groups`` in it) to the sub-piece's designee in the round's top bucket, which sends its signed mean back
+    "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, 1 << 20),
+              "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool, "tier": _int(0, 1),
+              "bucket": _int(0, (1 << 12) - 1), "groups": _int(0, 1 << 16)},
     # ... and the designee's signed weighted mean over the groups (``groups`` of them, ``weight`` members in
     # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)
     # enc: encoded with the codec reducers use for groups of that size (one group's bytes pass through)

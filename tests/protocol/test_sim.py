@@ -252,6 +252,11 @@ def test_a_run_spreads_its_ready_records_over_buckets_and_keeps_one_state(expect
         assert sum(map(len, groups)) == 32 and all(3 <= len(g) <= 5 for g in groups), sorted(map(len, groups))
         if r > 0 or expected:  # no group spans two buckets
             assert all(len({bucket_of(r, p, 1) for p in g}) == 1 for g in groups)
+    # the last round's means went through both tiers: each bucket's designees, then the top bucket's
+    desks = [inc.averager.desks.get(2) for p in result.peers for inc in p.incarnations]
+    assert any(d is not None and d.level == 1 and any(tier == 1 for tier, _, _ in d.work) for d in desks)
+    assert any(d is not None and any(tier == 0 and u.sent is not None for (tier, _, _), u in d.work.items())
+               for d in desks)
 
 
 @pytest.mark.parametrize("attackers", [8, 66])

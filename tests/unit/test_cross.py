@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import torch
 
 from hivetrain.dht import clock
+from hivetrain.dht.identity import Identity
+from hivetrain.dht.records import bucket_of
 from hivetrain.peer.averaging.api import shard_bounds
-from hivetrain.peer.averaging.cross import MAX_EARLY_WORDS, Desk, derive
+from hivetrain.peer.averaging.cross import MAX_EARLY_WORDS, Desk, bucket_label, derive, read_plan, top_bucket
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.wire import ZERO, Code
@@ -108,7 +110,7 @@ def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_
 
     def header(shard: int, attest: bool, names: list[str], group: str = group) -> dict[str, object]:
         return {"type": "cross", "shard": shard, "sub": 0, "members": names, "weight": 3, "result": result,
-                "enc": 3, "attest": attest, "ok": True, "group": group}
+                "enc": 3, "attest": attest, "ok": True, "group": group, "tier": 0, "bucket": 0, "groups": 1}
 
     async def go() -> None:
         try:
@@ -116,16 +118,130 @@ def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_
             assert (await d.accept("x", header(0, True, [*members, "x"]), b""))[0] == Code.OK
             assert (await d.accept("a", header(0, True, members), b""))[0] == Code.OK
             assert (await d.accept("a", header(0, True, members), b""))[0] == Code.DUPLICATE
-            assert d.work[(0, 0)].entries == {}  # held, nothing counted yet
+            assert d.work[(0, 0, 0)].entries == {}  # held, nothing counted yet
             assert (await d.accept("r", header(0, False, members), body))[0] == Code.OK
-            entry = d.work[(0, 0)].entries[group]
+            entry = d.work[(0, 0, 0)].entries[group]
             assert entry.attested is True and entry.attester == "a" and entry.counts()
-            assert not d.work[(0, 0)].early  # the held words are gone with it
+            assert not d.work[(0, 0, 0)].early  # the held words are gone with it
             # the words held for one sub-piece are bounded: past the bound the sender is asked to come again
             for i in range(MAX_EARLY_WORDS):
                 assert (await d.accept("a", header(1, True, members, group=f"{i:064x}"), b""))[0] == Code.OK
             code, why = await d.accept("a", header(1, True, members, group="f" * 64), b"")
             assert code == Code.NOT_READY and "not arrived" in why
+        finally:
+            d.stop()
+
+    asyncio.run(go())
+
+
+class CountingBoard(MemoryReadyBoard):
+    """A board that remembers which buckets were read."""
+
+    def __init__(self) -> None:
+        super().__init__(run_key="memory")
+        self.read_buckets: list[int] = []
+
+    async def read(self, round_: int, level: int = 0, buckets: object = None) -> list[Ready]:
+        chosen = list(range(1 << level) if buckets is None else buckets)  # type: ignore[call-overload]
+        self.read_buckets += chosen
+        return await super().read(round_, level, chosen)
+
+
+def board_of(level: int, n: int, t0: float, board: MemoryReadyBoard | None = None) -> tuple[MemoryReadyBoard, list[Identity]]:
+    board = board or MemoryReadyBoard()
+    idents = [Identity.generate() for _ in range(n)]
+
+    async def publish() -> None:
+        for i, ident in enumerate(idents):
+            await board.publish(ident, Ready(ident.peer_id, 3, BASE, RUN, done=True, eta=t0 + 0.01 * i), 60.0, level)
+
+    asyncio.run(publish())
+    return board, idents
+
+
+def test_with_buckets_a_peer_reads_two_and_derives_its_buckets_designees_and_the_tops() -> None:
+    level, t0 = 3, clock.wall() - 100.0
+    board, idents = board_of(level, 96, t0, CountingBoard())
+    assert isinstance(board, CountingBoard)
+    top = top_bucket(3, BASE, level)
+    me = next(i.peer_id for i in idents if bucket_of(3, i.peer_id, level) != top)
+    mine, up = asyncio.run(read_plan(board, 3, BASE, RUN, 8, 1 << 20, level=level, me=me, grace=5.0))
+    assert set(board.read_buckets) == {bucket_of(3, me, level), top}  # two of the 8 buckets, whatever the run's size
+    assert mine.designees and all(bucket_of(3, p, level) == bucket_of(3, me, level) for p in mine.designees)
+    assert up.designees and all(bucket_of(3, p, level) == top for p in up.designees)
+    assert mine.subs == up.subs  # every bucket cuts the same sub-pieces: the top's
+    assert up.ready == mine.ready and set(mine.designees) | set(up.designees) <= up.ready
+    # another peer of our bucket derives the same plans from the same board; the top is every peer's
+    other = next(i.peer_id for i in idents if bucket_of(3, i.peer_id, level) == bucket_of(3, me, level) and i.peer_id != me)
+    again = asyncio.run(read_plan(board, 3, BASE, RUN, 8, 1 << 20, level=level, me=other, grace=5.0))
+    assert again == (mine, up)
+    # the top is drawn from the base: another base, (almost always) another top
+    assert len({top_bucket(3, f"{i:064x}", level) for i in range(64)}) > 4
+
+
+def test_an_empty_top_bucket_gives_way_to_the_next_once_the_stragglers_are_late() -> None:
+    level, t0 = 2, clock.wall() - 100.0
+    top = top_bucket(3, BASE, level)
+    board = MemoryReadyBoard()
+    idents = []
+    while len(idents) < 24:  # nobody in the top bucket
+        ident = Identity.generate()
+        if bucket_of(3, ident.peer_id, level) != top:
+            idents.append(ident)
+
+    async def publish() -> None:
+        for ident in idents:
+            await board.publish(ident, Ready(ident.peer_id, 3, BASE, RUN, done=True, eta=t0), 60.0, level)
+
+    asyncio.run(publish())
+    me = idents[0].peer_id
+    _, up = asyncio.run(read_plan(board, 3, BASE, RUN, 8, 1 << 20, level=level, me=me, grace=5.0))
+    first = next(b % (1 << level) for b in range(top + 1, top + (1 << level) + 1)
+                 if any(bucket_of(3, i.peer_id, level) == b % (1 << level) for i in idents))
+    assert up.designees and {bucket_of(3, p, level) for p in up.designees} == {first}
+
+
+def test_a_top_designee_takes_a_buckets_mean_only_from_that_buckets_designee_and_within_its_size() -> None:
+    level, t0 = 2, clock.wall() - 100.0
+    board, idents = board_of(level, 48, t0)
+    top = top_bucket(3, BASE, level)
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    tops = [i.peer_id for i in idents if bucket_of(3, i.peer_id, level) == top]
+    probe = Desk(SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=tops[0], codec=spec.codec(), bans=set()),  # type: ignore[arg-type]
+                 board, 3, BASE, lambda h, b: None, lambda: None, level)
+    asyncio.run(probe.get_plan())
+    assert probe.plan is not None
+    k, j = 0, 0
+    me = probe.plan.ranked(k, j)[0]  # the top designee of sub-piece (0, 0)
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=me, codec=spec.codec(), bans=set())
+    d = Desk(ctx, board, 3, BASE, lambda h, b: None, lambda: None, level)  # type: ignore[arg-type]
+    other = next(b for b in range(1 << level) if b != top and any(bucket_of(3, i.peer_id, level) == b for i in idents))
+    peers = [i.peer_id for i in idents if bucket_of(3, i.peer_id, level) == other]
+
+    async def go() -> None:
+        try:
+            plan = await d.get_plan()
+            bucket = (await d.bucket_plans())[other]
+            start, end = shard_bounds(1 << 16, plan.units)[k]
+            a, b = plan.sub_bounds(start, end)[j]
+            body = ctx.codec.for_results(8).encode(torch.randn(b - a))
+
+            def header(weight: int, bucket_: int = other) -> dict[str, object]:
+                return {"type": "cross", "shard": k, "sub": j, "members": [], "weight": weight,
+                        "result": hashlib.sha256(body).hexdigest(), "enc": 8, "attest": False, "ok": True,
+                        "group": bucket_label(RUN, 3, BASE, bucket_), "tier": 1, "bucket": bucket_, "groups": 2}
+
+            designee = bucket.ranked(k, j)[0]
+            outsider = next(p for p in peers if p not in bucket.ranked(k, j))
+            code, why = await d.accept(outsider, header(4), body)
+            assert code == Code.WRONG_ROLE and "not a designee" in why
+            code, why = await d.accept(designee, header(len(peers) + 1), body)  # more weight than the bucket has peers
+            assert code == Code.MALFORMED and "weight" in why
+            code, why = await d.accept(designee, dict(header(4), group="f" * 64), body)  # another bucket's label
+            assert code == Code.MALFORMED
+            assert (await d.accept(designee, header(4), body))[0] == Code.OK
+            entry = d.work[(1, k, j)].entries[bucket_label(RUN, 3, BASE, other)]
+            assert entry.counts() and entry.bucket == other and entry.groups == 2
         finally:
             d.stop()
 
