@@ -313,6 +313,7 @@ class Desk:
         self.waiting_buckets: set[int] | None = None  # as a top designee: the buckets whose means we wait for
         self.changed = asyncio.Event()  # set when a group or a word arrives, or ``waiting`` is read anew
         self._poller: asyncio.Task[None] | None = None
+        self._poke = asyncio.Event()  # read the board now (not at the next poll): a top mean waits for it
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
         plan = self.plan
@@ -455,6 +456,8 @@ class Desk:
         if unit.task is None:
             unit.first = clock.now()
             unit.task = asyncio.ensure_future(self._finish(tier, k, j, unit))
+            if tier == 1 and self.waiting_buckets is None:
+                self._poke.set()
         if self._poller is None:
             self._poller = asyncio.ensure_future(self._poll())
         self.changed.set()
@@ -513,7 +516,9 @@ class Desk:
                 everyone = self.waited([r for rs in held.values() for r in rs], self.plan)
                 self.waiting_buckets = {bucket_of(self.round, p, self.level) for p in everyone}
             self.changed.set()
-            await asyncio.sleep(POLL)
+            with contextlib.suppress(TimeoutError):  # (or at once when a top mean starts waiting)
+                await asyncio.wait_for(self._poke.wait(), POLL)
+            self._poke.clear()
 
     def waited(self, records: Sequence[Ready], plan: Plan | None = None) -> set[str]:
         """The peers in the round, from the board: ready at our base by the round's cutoff (the
