@@ -308,6 +308,7 @@ class Desk:
         self._planning: asyncio.Future[tuple[Plan, Plan]] | None = None
         self.buckets: dict[int, Plan] = {}  # as a top designee: each bucket's designees (read once, when needed)
         self._reading: asyncio.Future[dict[int, Plan]] | None = None
+        self._read_at = 0.0  # when the last read of every bucket began
         self.work: dict[tuple[int, int, int], _Unit] = {}  # (tier, shard, sub)
         self.waiting: set[str] | None = None  # our bucket's peers whose groups our means wait for (None: not read)
         self.waiting_buckets: set[int] | None = None  # as a top designee: the buckets whose means we wait for
@@ -334,10 +335,14 @@ class Desk:
         self.mine, self.plan = mine, plan
         return plan
 
-    async def bucket_plans(self) -> dict[int, Plan]:
+    async def bucket_plans(self, again: bool = False) -> dict[int, Plan]:
         """Every bucket's designees, from one read of every bucket (a top designee's cost: it checks
-        that a bucket's mean comes from one of that bucket's designees)."""
+        that a bucket's mean comes from one of that bucket's designees, and weighs no more than
+        the bucket's ready peers); ``again``: read anew if the last read is older than POLL."""
+        if again and self._reading is not None and self._reading.done() and clock.now() - self._read_at >= POLL:
+            self._reading = None
         if self._reading is None:
+            self._read_at = clock.now()
             self._reading = asyncio.ensure_future(self._read_buckets())
         try:
             return await asyncio.shield(self._reading)
@@ -425,7 +430,15 @@ class Desk:
         if header["attest"] or header["group"] != bucket_label(self.ctx.run, self.round, self.base, b) or \
                 not 1 <= header["enc"] <= MAX_GROUP:
             return Code.MALFORMED, "a bucket's mean names its bucket, and nobody attests it"
+        def fits(bucket: Plan | None) -> bool:
+            return bucket is not None and sender in bucket.ranked(k, j) and header["weight"] <= max(1, len(bucket.ready))
+
+        read_at = self._read_at
         bucket = (await self.bucket_plans()).get(b)
+        if not fits(bucket):  # (our read may be older than the bucket's last ready records: read again)
+            bucket = (await self.bucket_plans(again=True)).get(b)
+            if not fits(bucket) and self._read_at == read_at:  # (read moments ago: ask the sender to come again)
+                return Code.NOT_READY, "our board is behind the bucket's"
         if bucket is None or sender not in bucket.ranked(k, j):
             return Code.WRONG_ROLE, f"{sender} is not a designee of sub-piece ({k}, {j}) in bucket {b}"
         if header["weight"] > max(1, len(bucket.ready)):
