@@ -13,7 +13,15 @@ from hivetrain.dht import clock
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import bucket_of
 from hivetrain.peer.averaging.api import shard_bounds
-from hivetrain.peer.averaging.cross import MAX_EARLY_WORDS, Desk, bucket_label, derive, read_plan, top_bucket
+from hivetrain.peer.averaging.cross import (
+    MAX_EARLY_WORDS,
+    POLL,
+    Desk,
+    bucket_label,
+    derive,
+    read_plan,
+    top_bucket,
+)
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.wire import ZERO, Code
@@ -233,8 +241,12 @@ def test_a_top_designee_takes_a_buckets_mean_only_from_that_buckets_designee_and
 
             designee = bucket.ranked(k, j)[0]
             outsider = next(p for p in peers if p not in bucket.ranked(k, j))
+            code, why = await d.accept(outsider, header(4), body)  # our read is moments old: come again
+            assert code == Code.NOT_READY and "behind" in why
+            await asyncio.sleep(POLL)  # then the buckets are read again, and the outsider is refused
             code, why = await d.accept(outsider, header(4), body)
             assert code == Code.WRONG_ROLE and "not a designee" in why
+            await asyncio.sleep(POLL)
             code, why = await d.accept(designee, header(len(peers) + 1), body)  # more weight than the bucket has peers
             assert code == Code.MALFORMED and "weight" in why
             code, why = await d.accept(designee, dict(header(4), group="f" * 64), body)  # another bucket's label
