@@ -280,6 +280,9 @@ class _Unit:
     early: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (group, sender) -> a word
     # that came before its group's sub-piece (the reducer's upload is still on its way): taken when it comes
     sent: tuple[str, bytes] | None = None  # our bucket's mean as we sent it up: (its hash, its bytes)
+    late: list[tuple[str, str]] = field(default_factory=list)  # (designee, bucket label) of buckets that came
+    # after the mean was computed: they get it without their values (tier 1)
+    told: int = 0  # how many of ``late`` were sent the mean
     back: asyncio.Future[tuple[dict[str, Any], bytes]] | None = None  # the top designee's signed mean of it
 
 
@@ -314,6 +317,7 @@ class Desk:
         self.waiting_buckets: set[int] | None = None  # as a top designee: the buckets whose means we wait for
         self.changed = asyncio.Event()  # set when a group or a word arrives, or ``waiting`` is read anew
         self._poller: asyncio.Task[None] | None = None
+        self._late_sends: set[asyncio.Future[None]] = set()  # means sent to late buckets (kept from the GC)
         self._poke = asyncio.Event()  # read the board now (not at the next poll): a top mean waits for it
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
@@ -441,18 +445,28 @@ class Desk:
                 return Code.NOT_READY, "our board is behind the bucket's"
         if bucket is None or sender not in bucket.ranked(k, j):
             return Code.WRONG_ROLE, f"{sender} is not a designee of sub-piece ({k}, {j}) in bucket {b}"
-        if header["weight"] > max(1, len(bucket.ready)):
-            return Code.MALFORMED, f"a weight of {header['weight']} from a bucket of {len(bucket.ready)} ready peers"
+        weight = min(header["weight"], max(1, len(bucket.ready)))  # (more than the bucket's ready peers we
+        # read: counted as those; refusing it would make the bucket's designee ask the next top designee)
+        if weight < header["weight"]:
+            logger.info("round %d: bucket %d's mean of sub-piece (%d, %d) weighs %d; it has %d ready peers on our board",
+                        self.round, b, k, j, header["weight"], len(bucket.ready))
         why = self._body_error(k, j, header, body)
         if why:
             return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
         unit = self.work.setdefault((1, k, j), _Unit())
         if unit.out is not None or unit.closed:
-            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+            # a bucket whose designee was replaced (it died with the sub-piece) comes late: its values are
+            # not in the mean, but it gets the mean everyone applies (one state; without this the next
+            # top designee signed a mean of that bucket alone, and the run forked there)
+            if header["group"] not in {label for _, label in unit.late} and len(unit.late) < MAX_CROSS_GROUPS:
+                unit.late.append((sender, header["group"]))
+                if unit.out is not None:
+                    self._send_late(unit)
+            return Code.OK, ""
         entry = unit.entries.get(header["group"])
         if entry is not None:
             return (Code.DUPLICATE, "") if entry.body == body else (Code.EQUIVOCATION, "another mean for that bucket")
-        unit.entries[header["group"]] = _Entry(sender, header["group"], frozenset({sender}), header["weight"], body,
+        unit.entries[header["group"]] = _Entry(sender, header["group"], frozenset({sender}), weight, body,
                                                header["enc"], header["result"], bucket=b, groups=header["groups"])
         self._start(1, k, j, unit)
         return Code.OK, ""
@@ -589,6 +603,8 @@ class Desk:
             else:
                 header, body = self._signed(k, j, body, weight, groups, enc)
             unit.out = (header, body)
+            if tier == 1:
+                self._send_late(unit)
             sends = []
             for e in unit.entries.values():
                 if e.holder == self.ctx.me:
@@ -602,6 +618,21 @@ class Desk:
             await send_all(self.ctx, self.round, deadline, sends, strict=False)
         except Exception as e:  # a background task: say what went wrong, never raise unseen
             logger.warning("round %d: the mean of sub-piece (%d, %d) failed: %r", self.round, k, j, e)
+
+    def _send_late(self, unit: _Unit) -> None:
+        """The mean, to the buckets that came after it was computed (each once)."""
+        assert unit.out is not None
+        header, body = unit.out
+        late, unit.told = unit.late[unit.told:], len(unit.late)
+        if late:
+            deadline = clock.now() + self.ctx.spec.allreduce_timeout
+            sends = [(holder, dict(header, group=label), body) for holder, label in late if holder != self.ctx.me]
+            for holder, label in late:
+                if holder == self.ctx.me:
+                    self.returned(self.ctx.me, dict(header, group=label), body)
+            task = asyncio.ensure_future(send_all(self.ctx, self.round, deadline, sends, strict=False))
+            self._late_sends.add(task)
+            task.add_done_callback(self._late_sends.discard)
 
     async def _up(self, k: int, j: int, unit: _Unit, body: bytes, weight: int, groups: int,
                   enc: int) -> tuple[dict[str, Any], bytes] | None:
@@ -665,6 +696,6 @@ class Desk:
         return header, body
 
     def stop(self) -> None:
-        for task in [self._poller, self._planning, self._reading, *(u.task for u in self.work.values())]:
+        for task in [self._poller, self._planning, self._reading, *self._late_sends, *(u.task for u in self.work.values())]:
             if task is not None and not task.done():
                 task.cancel()
