@@ -31,6 +31,15 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    (and re-syncs at the next boundary, like any void round); a sub-piece no group contributed to is
    void everywhere (its values and momentum keep their values).
 
+With buckets (level > 0, ready.py) the stage has two tiers, so that a peer reads two buckets of the
+board, not all of them (``read_plan``): the designees above are drawn per bucket from its own early
+peers and average its groups (steps 1-2, unsigned); each sends its bucket's mean and weight up to
+the sub-piece's designee in the round's top bucket (``top_bucket``, drawn from the base), which
+waits for every bucket with a peer in the round, signs the mean of the buckets' means and sends it
+back; the bucket's designee passes it on to its reducers (step 3: members check the top's
+signature). A bucket whose mean comes after the top's was computed (its designee was replaced)
+gets the top's mean without its values: one state, its work lost for that sub-piece.
+
 Known limits (SECURITY.md): the designee's mean is not audited yet, group weights are the group's
 own claim (at most the group's size), and an attacker that stores a backdated ready record late can
 make honest peers derive different designees (their rounds then fork; fork choice resolves it).
