@@ -9,10 +9,11 @@ binds it to. Two boards: the DHT (real peers) and a dict in memory (tests and si
 Buckets: a round's records are spread over 2^L keys (``ready_key``), so that no key, and no reader,
 holds the whole run. L comes from the population of the round's base state (how many peers' parts
 made it: peer/state/snapshot.py), so every peer at a base computes the same L; a peer's bucket is
-the top L bits of a hash of (round, peer id), so buckets are nested (bucket b at level L is buckets
-2b and 2b+1 at level L+1) and redrawn every round. A bucket holds about BUCKET_GROUPS target-size
-groups (between 1x and 2x that many peers): matchmaking reads its own bucket only and partitions it
-(peer/averaging/matchmaking.py); the cross-group stage reads the others (cross.py).
+the top L bits of a hash of its peer id, so buckets are nested (bucket b at level L is buckets 2b
+and 2b+1 at level L+1) and the same every round (a bucket's peers meet again). A bucket holds about
+BUCKET_GROUPS target-size groups (between 1x and 2x that many peers): matchmaking reads its own
+bucket only and partitions it (peer/averaging/matchmaking.py); the cross-group stage reads one more,
+the round's top bucket (cross.py).
 """
 
 from __future__ import annotations
