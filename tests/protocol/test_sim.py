@@ -164,7 +164,9 @@ def test_no_round_waits_for_its_deadline_on_a_word_no_designee_can_take() -> Non
     assert check(result)[1]["I6_completed_at_deadline"] == 0
     completed = [rec for _, rec in result.records if rec.get("event") == "round" and not rec["void"] and rec["round"] >= 3]
     assert completed and max(rec["allreduce_s"] for rec in completed) < 15.0, completed
-    assert {rec["group_size"] for rec in completed} == {3}  # nobody went on without the peer it waited for
+    # (since run spec 11 the hashes differ and so does the run: in round 3 peer 0 is syncing and the two
+    # NATed peers, who cannot reach each other, train alone; from round 4 on the three are one group)
+    assert {rec["group_size"] for rec in completed if rec["round"] >= 4} == {3}
 
 
 def test_a_member_at_a_fifth_of_the_uplink_only_sends_once_its_rate_is_measured() -> None:
