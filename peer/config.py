@@ -28,7 +28,7 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
-SPEC_VERSION = 11  # 11: ready buckets the same every round (a hash of the peer id), the two-tier cross stage (averaging protocol 11); 10: heartbeats in buckets when expected_peers > 64 (peer/state/heartbeats.py); 9: expected_peers (round 0's ready buckets); 8: cross_groups (one state per round across groups), protocol v5 (uplink claims); 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
+SPEC_VERSION = 12  # 12: robust aggregation across groups and within pairs (averaging protocol 12); 11: ready buckets the same every round (a hash of the peer id), the two-tier cross stage (averaging protocol 11); 10: heartbeats in buckets when expected_peers > 64 (peer/state/heartbeats.py); 9: expected_peers (round 0's ready buckets); 8: cross_groups (one state per round across groups), protocol v5 (uplink claims); 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
 def _short(value: object) -> str:

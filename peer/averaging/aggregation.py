@@ -9,7 +9,9 @@
    Scale"): starting from the coordinate-wise median, ``ITERS`` steps of
    v <- v + mean_i[(x_i - v) * min(1, tau / ||x_i - v||)] with tau = ``CLIP`` times the median
    distance to v, so contributions far from the majority pull with bounded force.
-With one or two parts (n <= 2, or only two valid parts left) it is the plain mean: no majority.
+With two parts (a pair, or only two valid parts left) there is no majority to find: each part is
+clipped to the smaller norm, then averaged, so that one member of a pair can pull the result at most
+as far as the other's norm (the round's other groups bound it further: ``weighted_robust_mean``).
 Only the reducer's result is applied (every member decodes its one re-encoding), so members stay
 bit-identical; the auditor recomputes it, hence the float care in :func:`row_norms`.
 
@@ -68,7 +70,11 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
                 norm_clip: float = NORM_CLIP) -> torch.Tensor:
     """Norm clipping to ``norm_clip`` x the median norm, then CenteredClip with tau = ``clip`` x the
     median distance; (d,) fp32. See the module doc."""
-    if len(parts) <= 2:  # no majority to protect with one or two members
+    if len(parts) == 2:  # no majority: each counts at most the smaller norm (a pair can't be pulled far)
+        x = torch.stack(list(parts))  # (2, d) fp32
+        norms = row_norms(x)
+        return mean(list(x.mul_(_clip_weights(norms, norm_clip * norms.min())[:, None])))
+    if len(parts) < 2:
         return mean(parts)
     x = torch.stack(list(parts))  # (n, d) fp32
     norms = row_norms(x)  # (n,)
@@ -81,6 +87,41 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
         diff.mul_(_clip_weights(dist, clip * dist.median())[:, None])
         v = v + diff.mean(dim=0)
     return v
+
+
+def weighted_robust_mean(rows: Sequence[torch.Tensor], weights: Sequence[float], clip: float = CLIP,
+                         iters: int = ITERS, norm_clip: float = NORM_CLIP) -> torch.Tensor:
+    """``robust_mean`` over weighted rows (groups' means, weighted by their members; peer/averaging/
+    cross.py), (d,) fp32: norm clipping to ``norm_clip`` x the weighted median norm, then CenteredClip
+    from the weighted coordinate-wise median with tau = ``clip`` x the weighted median distance and
+    weighted steps. A row's weight is what a group without an honest majority can claim at most: its
+    pull on the round's mean is bounded as long as the groups with an honest majority weigh more than
+    half (a group's own aggregation bounds what its attackers do inside it). One row: itself."""
+    if len(rows) == 1:
+        return rows[0].clone()
+    x = torch.stack(list(rows))  # (g, d) fp32
+    w = torch.tensor([float(v) for v in weights], dtype=torch.float32)  # (g,)
+    share = w / w.sum()
+    norms = row_norms(x)
+    x.mul_(_clip_weights(norms, norm_clip * weighted_median(norms[:, None], share)[0])[:, None])
+    v = weighted_median(x, share)  # (d,)
+    diff = torch.empty_like(x)
+    for _ in range(iters):
+        torch.sub(x, v, out=diff)
+        dist = row_norms(diff)
+        diff.mul_((_clip_weights(dist, clip * weighted_median(dist[:, None], share)[0]) * share)[:, None])
+        v = v + diff.sum(dim=0)
+    return v
+
+
+def weighted_median(x: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise weighted (lower) median of the rows of ``x`` (g, d) with ``share`` (g,)
+    summing to 1 -> (d,): in each column, the smallest value whose rows at or below it weigh at least
+    half. With equal shares it is ``median_rows``'s value."""
+    values, order = x.sort(dim=0, stable=True)  # (g, d)
+    below = share[order].cumsum(dim=0)  # (g, d)
+    first = (below < 0.5 - 1e-6).sum(dim=0, keepdim=True).clamp_max(x.shape[0] - 1)  # (1, d)
+    return values.gather(0, first)[0]
 
 
 def median_rows(x: torch.Tensor) -> torch.Tensor:

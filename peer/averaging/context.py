@@ -15,7 +15,7 @@ from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.link import Link, Traffic
 from hivetrain.peer.trust import Bans, Trust
 
-PROTOCOL_VERSION = 11  # 11: a two-tier cross stage with buckets (bucket designees, then the top bucket's; a peer reads two buckets), buckets the same every round; 10: ready peers pinged before the partition (silent records left out), BUSY asked again; 9: at least 4 pieces per member where each keeps 128K values (api.pieces_per_member); 5: uplink claims (ready records, views) and shares by them; 6: the cross stage's cutoff (out records), statements on request; 7: ready buckets (from the base state's population); 8: a slow member's audit copies relayed by its reducers (signed parts, pledges)
+PROTOCOL_VERSION = 12  # 12: a pair's two parts clipped to the smaller norm, designees take the weighted robust mean of the groups' means (aggregation.py); 11: a two-tier cross stage with buckets (bucket designees, then the top bucket's; a peer reads two buckets), buckets the same every round; 10: ready peers pinged before the partition (silent records left out), BUSY asked again; 9: at least 4 pieces per member where each keeps 128K values (api.pieces_per_member); 5: uplink claims (ready records, views) and shares by them; 6: the cross stage's cutoff (out records), statements on request; 7: ready buckets (from the base state's population); 8: a slow member's audit copies relayed by its reducers (signed parts, pledges)
 
 
 @dataclass

@@ -21,7 +21,9 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    grace any straggler gets), less the peers whose round failed (they publish their ready record
    again with ``out`` and their group: a peer two of them name is out too). It waits at most
    LONG_WAIT x ``allreduce_timeout`` past the first arrival (a group that died), then computes the
-   weighted mean of the groups' sub-pieces in a fixed order (by group hash) and encodes it once:
+   weighted mean of the groups' sub-pieces in a fixed order (by group hash; with robust aggregation
+   the weighted robust mean, aggregation.py: a group without an honest majority pulls it a bounded
+   way) and encodes it once:
    one set of bytes, signed, sent back to every reducer that sent it (``cross_out``). A group that
    arrives later is refused: it applies its own values (the run forks there; fork choice re-syncs
    it at the next boundary).
@@ -65,6 +67,7 @@ from hivetrain.dht.records import bucket_of
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
+from hivetrain.peer.averaging.aggregation import weighted_robust_mean
 from hivetrain.peer.averaging.api import pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.delivery import deliver, send_all
@@ -682,20 +685,28 @@ class Desk:
         if len(counted) == 1:  # one group's values: its own bytes, as its reducer encoded them
             e = counted[0]
             return e.body, e.weight, e.groups, e.enc
-        acc = torch.zeros(b - a, dtype=torch.float32)  # (b - a,) fp32
-        total = groups = 0
+        rows: list[torch.Tensor] = []  # (b - a,) fp32 each
+        weights: list[int] = []
+        groups = 0
         for e in counted:
             try:
-                values = self.ctx.codec.for_results(e.enc).decode(e.body, b - a)
+                rows.append(self.ctx.codec.for_results(e.enc).decode(e.body, b - a))
             except CodecError as err:
                 logger.warning("round %d: the sub-piece (%d, %d) of group %s is malformed: %s", self.round, k, j,
                                e.group[:12], err)
                 continue
-            acc.add_(values * float(e.weight))
-            total += e.weight
+            weights.append(e.weight)
             groups += e.groups
-        body = cross_codec(self.ctx.codec).encode(acc / float(total)) if total else b""
-        return body, total, groups, MAX_GROUP
+        if not rows:
+            return b"", 0, groups, MAX_GROUP
+        if self.ctx.spec.aggregation == "robust":  # a group without an honest majority pulls it a bounded way
+            values = weighted_robust_mean(rows, weights)
+        else:
+            values = torch.zeros(b - a, dtype=torch.float32)
+            for row, weight in zip(rows, weights, strict=True):
+                values.add_(row * float(weight))
+            values.div_(float(sum(weights)))
+        return cross_codec(self.ctx.codec).encode(values), sum(weights), groups, MAX_GROUP
 
     def _signed(self, k: int, j: int, body: bytes, weight: int, groups: int, enc: int) -> tuple[dict[str, Any], bytes]:
         result = hashlib.sha256(body).hexdigest() if body else VOID

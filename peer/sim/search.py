@@ -7,20 +7,28 @@ violation is reproduced by its seed (``replay``), on any machine.
 
 The invariants, checked on the run's result (``check``):
 
-- I1: no honest peer ends on a state that descends from a round in which an honest peer applied
-  an update from a group without an honest majority, or whose shard reduced by an attacker was
-  audited by no honest member;
+- I1: no honest peer ends on a state that descends from a round in which an honest peer applied a
+  mean further from the honest mean than I1_BOUND x the largest honest deviation: at the round's
+  base, the honest peers' pseudo-gradients (swarm.py's ``Probe``: the same sample of coordinates of
+  each) have a mean m and lie at most D from it; every mean an honest peer applied (outside its void
+  shards) must lie within I1_BOUND x D of m (plus the int8 codec's rounding). Any average of honest parts lies within D, so what lies
+  further is what attackers did. (Before the cross-group stage's robust mean, I1 asked instead that
+  every group have an honest majority: with one model per round a group's mean is one of the
+  round's inputs, and small derived groups without one are drawn by chance. I7 still counts them.)
 - I2: distinct honest states per round (measured; step 13 makes it 1);
 - I3: no honest peer is banned by an honest peer;
 - I4: the fraction of honest peer-rounds that completed (measured);
 - I5: every container a peer holds stays within ``MAX_CONTAINER`` entries (memory per peer bounded);
+- I7: the rounds (their states) that an honest peer applied from a group without an honest
+  majority, or with a shard that an attacker reduced and no honest member audited (measured: what
+  I1 was before);
 - I6: honest peer-rounds that completed at their all-reduce deadline (measured). With the search's
   small vectors a round takes seconds; one that completes only at its deadline waited for something
   that never came and then went on (a member's applied report withheld, or a wait the protocol
   should not have: a vouch for a sub-piece whose mean had long arrived held rounds open until the
   deadline, and the others voided without that peer).
 
-I2, I4 and I6 are numbers, not pass/fail: they are reported per schedule.
+I2, I4, I6 and I7 are numbers, not pass/fail: they are reported per schedule.
 """
 
 from __future__ import annotations
@@ -31,11 +39,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hivetrain.peer.sim.attacks import FIRST_ATTACKS, LIBRARY
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
-from hivetrain.peer.sim.swarm import Event, Result, Scenario, simulate
+from hivetrain.peer.sim.swarm import Event, Probe, Result, Scenario, simulate
 
 DEADLINE_SHARE = 0.9  # of allreduce_timeout: a completed round this long is counted in I6
+I1_BOUND = 1.25  # x the largest honest deviation: aggregation.py's measured bound for one group
+I1_ROUNDING = 0.02  # x the largest honest norm: what the int8 codec's rounding may add (<= 1/254 of a chunk's max per value)
 MAX_CONTAINER = 8192  # entries; a schedule has at most a few dozen peers: anything past this grew without bound
 WALK_DEPTH = 4  # attribute levels below a peer that I5 inspects
 
@@ -119,8 +131,36 @@ def _slow(seed: int) -> Scenario:
                     dishonest=dishonest, attacks=attacks, attacker_prefixes=prefixes, events=events)
 
 
+def _pulled(result: Result) -> dict[str, str]:
+    """state hash -> why, for every round an honest peer completed with a mean that I1 forbids."""
+    at_base: dict[tuple[int, str], dict[int, Probe]] = {}
+    for probe in result.probes:
+        at_base.setdefault((probe.round, probe.base), {})[probe.peer] = probe  # (a restart's later one)
+    state = {(i, rec["round"]): rec["state_hash"] for i, rec in result.records
+             if rec.get("event") == "round" and not rec.get("void")}
+    out: dict[str, str] = {}
+    for (round_, _), probes in sorted(at_base.items()):
+        honest = torch.stack([p.delta for p in probes.values()])  # (h, PROBE_VALUES)
+        m = honest.mean(dim=0)
+        for p in probes.values():
+            if p.applied is None or p.void is None or (p.peer, round_) not in state:
+                continue
+            keep = ~p.void
+            if not keep.any():
+                continue
+            spread = float((honest[:, keep] - m[keep]).norm(dim=1).max())
+            off = float((p.applied[keep] - m[keep]).norm())
+            rounding = I1_ROUNDING * float(honest[:, keep].norm(dim=1).max())
+            if not off <= I1_BOUND * spread + rounding:  # (NaN fails too)
+                out.setdefault(state[(p.peer, round_)],
+                               f"peer {p.peer} round {round_}: applied a mean {off / max(spread, 1e-12):.3g} x the "
+                               f"largest honest deviation from the honest mean ({len(probes)} honest peers at its base)")
+    return out
+
+
 def _tainted(result: Result) -> dict[str, str]:
-    """state hash -> why, for every round an honest peer completed that I1 forbids."""
+    """state hash -> why, for every round an honest peer completed from a group without an honest
+    majority, or with a shard an attacker reduced and no honest member audited (I7)."""
     bad = {p.id for p in result.peers if not p.honest}
     honest = {p.index for p in result.honest()}
     out: dict[str, str] = {}
@@ -165,11 +205,11 @@ def check(result: Result) -> tuple[list[tuple[str, str]], dict[str, float]]:
     """([(invariant, summary)] broken, {measured: value}) for one finished run."""
     broken: list[tuple[str, str]] = []
     parent = lineage(result)
-    tainted = _tainted(result)
+    pulled = _pulled(result)
     for index, state in sorted(final_states(result).items()):
-        hit = tainted.keys() & ancestors(state, parent)
+        hit = pulled.keys() & ancestors(state, parent)
         if hit:
-            broken.append(("I1", f"honest peer {index} ends on a state built on: {tainted[min(hit)]}"))
+            broken.append(("I1", f"honest peer {index} ends on a state built on: {pulled[min(hit)]}"))
             break
     honest_ids = {p.id: p.index for p in result.honest()}
     for peer in result.honest():
@@ -193,7 +233,9 @@ def check(result: Result) -> tuple[list[tuple[str, str]], dict[str, float]]:
     deadline = result.scenario.run_spec().allreduce_timeout
     at_deadline = sum(not rec.get("void") and (rec.get("allreduce_s") or 0.0) >= DEADLINE_SHARE * deadline
                       for rec in rounds)
+    tainted = _tainted(result)
     measured = {"I2_states_per_round": max((len(v) for v in per_round.values()), default=0),
+                "I7_without_honest_majority": len(tainted),
                 "I4_completed_fraction": round(completed / max(1, expected), 4),
                 "I6_completed_at_deadline": at_deadline}
     return broken, measured

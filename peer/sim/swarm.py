@@ -24,9 +24,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from hivetrain.dht import clock
@@ -45,6 +46,7 @@ from hivetrain.peer.trust import Bans, Trust
 
 MBIT = 125_000.0  # bytes/s in one Mbit/s
 LOG_LINES = 64  # lines of its own log each simulated peer keeps (for a failure's story)
+PROBE_VALUES = 4096  # values of each honest pseudo-gradient and applied mean the swarm keeps (``Probe``)
 # a swarm allocates millions of short-lived objects (frames, handles, futures): collecting them
 # every 700 allocations cost a third of the run's time (32 peers: 16 s against 11 s)
 GC_THRESHOLDS = (100_000, 50, 100)
@@ -208,6 +210,8 @@ class SimPeer:
                          SimMetrics(lambda record: self._record(record) if self._live(me) else None),
                          lambda line: self._say(line) if self._live(me) else None)
         self.peer.averager.ctx.rates.enabled = not sc.equal_shares
+        if self.honest:
+            _probe(self, self.peer.averager, lambda: self._live(me))
         self.incarnations.append(self.peer)
         return self.peer.run(self.disk, 0, until_round=sc.rounds)
 
@@ -236,6 +240,42 @@ class SimPeer:
                 record = dict(record, reducers=[session.reducer(k) for k in range(session.units)],
                               auditors=[session.auditor(k) if session.audit else None for k in range(session.units)])
         self.swarm.record(self, record)
+
+
+@dataclass
+class Probe:
+    """What one honest peer averaged in one round, on a fixed sample of PROBE_VALUES coordinates: its
+    own pseudo-gradient and, when the round completed, the mean it applied. The measure of what attackers did to the model: search.py's I1."""
+
+    peer: int
+    round: int
+    base: str
+    delta: torch.Tensor  # (PROBE_VALUES,) fp32
+    applied: torch.Tensor | None = None  # (PROBE_VALUES,) fp32, once the round completed
+    void: torch.Tensor | None = None  # (PROBE_VALUES,) bool: in a shard the round voided (not applied)
+
+
+def _sample(vector: torch.Tensor) -> torch.Tensor:
+    step = max(1, vector.numel() // PROBE_VALUES)
+    return vector.detach().reshape(-1)[::step][:PROBE_VALUES].clone()
+
+
+def _probe(peer: SimPeer, averager: Any, live: Callable[[], bool]) -> None:
+    """Wraps the averager's entry (from outside it, on this instance) to keep a ``Probe`` of each round."""
+    inner = averager.average_async
+
+    async def average_async(round_: int, base: str, delta: torch.Tensor, population: int = 0) -> Any:
+        probe = Probe(peer.index, round_, base, _sample(delta))
+        if live():
+            peer.swarm.probes.append(probe)
+        result = await inner(round_, base, delta, population)
+        void = torch.zeros(result.averaged.numel(), dtype=torch.bool)
+        for start, end in result.void_ranges:
+            void[start:end] = True
+        probe.applied, probe.void = _sample(result.averaged), _sample(void).bool()
+        return result
+
+    averager.average_async = average_async
 
 
 class _DiskLedger:
@@ -282,6 +322,7 @@ class Result:
     net: MemoryNetwork
     dht: DHTWorld
     stalled: bool = False  # the virtual time limit passed before every honest peer finished
+    probes: list[Probe] = field(default_factory=list)  # what honest peers averaged (``Probe``)
 
     def honest(self) -> list[SimPeer]:
         return [p for p in self.peers if p.honest]
@@ -299,6 +340,7 @@ class Swarm:
         self.dht = DHTWorld(self.net)
         self.peers: list[SimPeer] = []
         self.records: list[tuple[int, dict[str, Any]]] = []
+        self.probes: list[Probe] = []  # one per honest peer-round that began averaging
         self.trace: list[str] = []
         self.actors: list[Callable[[Swarm], Any]] = []  # outside attackers: coroutines started with the run
         self.progress: Callable[[Swarm], None] | None = None  # called every 5 virtual seconds (long runs say how far)
@@ -442,7 +484,7 @@ class Swarm:
         trace_hash = hashlib.sha256("\n".join(self.trace).encode()).hexdigest()
         stalled = not all(p.done or p.gone or p.failed is not None for p in self.peers if p.honest)
         return Result(self.scenario, self.records, self.trace, trace_hash, virtual, wall, self.peers, self.net,
-                      self.dht, stalled)
+                      self.dht, stalled, self.probes)
 
 
 def attack_plan(scenario: Scenario) -> list[Any]:

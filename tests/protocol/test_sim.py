@@ -338,3 +338,20 @@ def test_a_forwarded_mean_that_overtakes_its_result_is_held_until_the_result_com
     for r in range(3):
         recs = [rounds_of(result, i)[r] for i in range(6)]
         assert all(not rec["void"] for rec in recs) and len({rec["state_hash"] for rec in recs}) == 1, recs
+
+
+def test_one_attacker_in_a_pair_sending_huge_parts_moves_the_run_a_bounded_way() -> None:
+    # search seed 8 (9 peers, one attacker, dial-back lies and 1e6 x parts): in round 2 the attacker
+    # is drawn into a pair with an honest peer. Before protocol 12 the pair's plain mean and the
+    # designee's plain weighted mean carried its part into every peer's state (2.4e8 x the largest
+    # honest deviation); now the pair clips it to the honest norm and the designee's robust mean
+    # bounds the pair's pull
+    result = simulate(schedule(8))
+    assert LIBRARY["huge"].happened(result) is not None
+    bad = attacker_ids(result)
+    pairs = [rec for i, rec in result.records if rec.get("event") == "round" and not rec.get("void")
+             and len(rec["group"]) == 2 and bad & set(rec["group"])]
+    assert pairs, "the attacker was never in a pair: the scenario no longer shows the attack"
+    violations, measured = check(result)
+    assert violations == [] and measured["I7_without_honest_majority"] >= 1
+    assert measured["I2_states_per_round"] == 1

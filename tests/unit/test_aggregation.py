@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from hivetrain.kernels.int8 import get_codec
-from hivetrain.peer.averaging.aggregation import aggregate, mean, outliers, robust_mean
+from hivetrain.peer.averaging.aggregation import (
+    aggregate,
+    mean,
+    median_rows,
+    outliers,
+    robust_mean,
+    weighted_median,
+    weighted_robust_mean,
+)
 from hivetrain.peer.averaging.reduce import ShardInputs, reduce_shard
 
 D = 2048
@@ -143,7 +151,45 @@ def test_honest_only_cost_is_small_and_identical_inputs_are_exact(model: str) ->
         assert off <= (0.25 if model == "graded" else 0.02) * float(hm.norm())
     same = [honest[0].clone() for _ in range(4)]
     torch.testing.assert_close(robust_mean(same), honest[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(aggregate(honest[:2], "robust"), mean(honest[:2]))  # <= 2 parts: the mean
+    same_norm = [honest[0], honest[1] * (honest[0].norm() / honest[1].norm())]
+    torch.testing.assert_close(aggregate(same_norm, "robust"), mean(same_norm))  # a pair of equal norms: the mean
+
+
+def test_a_pair_counts_each_part_at_most_the_smaller_norm() -> None:
+    """No majority in a pair: a member that sends a part 1e6 times larger (or NaN-free garbage of any
+    size) moves the pair's result at most as far as the other member's norm."""
+    h = _honest(2, seed=5)
+    for attack in (1e6 * h[1], -1e6 * h[0], torch.full_like(h[0], 3e4)):
+        out = robust_mean([h[0], attack])
+        assert float(out.norm()) <= float(h[0].norm()) * (1 + 1e-5)
+        assert float((out - h[0]).norm()) <= 2 * float(h[0].norm())
+    torch.testing.assert_close(robust_mean([h[0], 1e6 * h[0]]), h[0], rtol=1e-5, atol=1e-6)  # same direction: h
+
+
+def test_weighted_robust_mean_bounds_groups_without_an_honest_majority() -> None:
+    """The designee's mean across groups: equal weights give ``robust_mean``; a group mean of any size
+    that weighs less than half moves the result within the honest groups' bound, where the weighted
+    plain mean goes anywhere; with one row it is that row."""
+    means = _honest(5, seed=6)
+    torch.testing.assert_close(weighted_robust_mean(means, [1] * 5), robust_mean(means), rtol=0, atol=1e-5)
+    honest, weights = means[:3], [4, 3, 2]
+    hm = sum(w * m for w, m in zip(weights, honest, strict=True)) / 9
+    spread = max(float((m - hm).norm()) for m in honest)
+    for bad in (1e6 * honest[0], -50 * hm, torch.randn(D, generator=torch.Generator().manual_seed(7)) * 100):
+        out = weighted_robust_mean([*honest, bad], [*weights, 8])  # 8 of 17: the largest single weight
+        assert float((out - hm).norm()) <= 1.25 * spread
+        plain = (sum(w * m for w, m in zip(weights, honest, strict=True)) + 8 * bad) / 17
+        assert float((plain - hm).norm()) >= 3 * spread
+    torch.testing.assert_close(weighted_robust_mean([means[0]], [3]), means[0], rtol=0, atol=0)
+
+
+def test_weighted_median_is_the_lower_median_by_weight() -> None:
+    x = torch.tensor([[1.0, 5.0], [2.0, 4.0], [3.0, 3.0]])
+    assert weighted_median(x, torch.tensor([0.2, 0.2, 0.6])).tolist() == [3.0, 3.0]
+    assert weighted_median(x, torch.tensor([0.5, 0.25, 0.25])).tolist() == [1.0, 4.0]
+    for n in (2, 3, 4, 7):
+        rows = torch.randn(n, 64, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(weighted_median(rows, torch.full((n,), 1.0 / n)), median_rows(rows))
 
 
 def test_the_reducer_robust_path_is_one_reencoding_and_names_outliers() -> None:

@@ -74,16 +74,26 @@ def test_bad_arguments_are_refused_with_a_message(argv: list[str], capsys: pytes
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
-def test_the_invariants_see_a_group_without_an_honest_majority_and_an_unbounded_container() -> None:
-    # one honest peer and one attacker identity (an honest peer's code, counted as an attacker): every
-    # round is a pair without an honest majority, which I1 must report; I5 must see a container grown past
-    # its bound (planted here: the checker is what is tested)
-    result = simulate(Scenario(peers=2, rounds=2, target=2, seed=1, dishonest=(1,)))
+def test_the_invariants_see_an_attacker_pull_the_mean_and_an_unbounded_container() -> None:
+    # one honest peer and one attacker that sends -1000 x its pseudo-gradient: every round is a pair
+    # without an honest majority; the pair's clip keeps the attacker's part to the honest norm, and it
+    # still pulls the applied mean a whole norm away from the one honest part, which I1 must report
+    # (and I7 count); I5 must see a container grown past its bound (planted here: the checker is
+    # what is tested)
+    result = simulate(Scenario(peers=2, rounds=2, target=2, seed=1, dishonest=(1,), attacks=("bias",)))
     broken, measured = check(result)
-    assert any(inv == "I1" and "no honest majority" in why for inv, why in broken), broken
-    assert measured["I4_completed_fraction"] == 1.0
+    assert any(inv == "I1" and "largest honest deviation" in why for inv, why in broken), broken
+    assert measured["I4_completed_fraction"] == 1.0 and measured["I7_without_honest_majority"] >= 1
     result.peers[0].incarnations[-1].averager.planted = dict.fromkeys(range(MAX_CONTAINER + 1))
     assert any(inv == "I5" and "planted" in why for inv, why in check(result)[0])
+
+
+def test_an_honest_swarm_breaks_no_invariant() -> None:
+    # every mean of honest parts lies within the largest honest deviation: I1 has no false alarm here
+    result = simulate(Scenario(peers=7, rounds=2, target=4, seed=2))
+    broken, measured = check(result)
+    assert broken == [] and measured["I7_without_honest_majority"] == 0
+    assert len(result.probes) == 14 and all(p.applied is not None for p in result.probes)
 
 
 def test_the_bandwidth_bound_lets_a_slow_member_send_its_parts_once() -> None:

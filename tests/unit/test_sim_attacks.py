@@ -19,7 +19,8 @@ SETUPS: dict[str, dict[str, Any]] = {
     # three relayed attackers of one /24 against a cap of two per /24: a group big enough to hold all three
     "relayed_votes": dict(peers=9, target=8, dishonest=(6, 7, 8)),
     # slow members whose audit copies the attackers relay (rates measured on vectors large enough)
-    "tampered_relay": dict(numel=1 << 19, slow_fraction=0.25, mbit=20.0, slow_mbit=2.0, down_mbit=20.0),
+    # (seed 3: run spec 12 changed the run's hashes, and with seed 1 no attacker relays a copy any more)
+    "tampered_relay": dict(numel=1 << 19, slow_fraction=0.25, mbit=20.0, slow_mbit=2.0, down_mbit=20.0, seed=3),
 }
 
 
