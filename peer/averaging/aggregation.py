@@ -70,15 +70,13 @@ def robust_mean(parts: Sequence[torch.Tensor], clip: float = CLIP, iters: int = 
                 norm_clip: float = NORM_CLIP) -> torch.Tensor:
     """Norm clipping to ``norm_clip`` x the median norm, then CenteredClip with tau = ``clip`` x the
     median distance; (d,) fp32. See the module doc."""
-    if len(parts) == 2:  # no majority: each counts at most the smaller norm (a pair can't be pulled far)
-        x = torch.stack(list(parts))  # (2, d) fp32
-        norms = row_norms(x)
-        return mean(list(x.mul_(_clip_weights(norms, norm_clip * norms.min())[:, None])))
     if len(parts) < 2:
         return mean(parts)
     x = torch.stack(list(parts))  # (n, d) fp32
     norms = row_norms(x)  # (n,)
-    x.mul_(_clip_weights(norms, norm_clip * norms.median())[:, None])
+    x.mul_(_clip_weights(norms, norm_clip * norms.median())[:, None])  # (of two: the smaller norm)
+    if len(parts) == 2:  # no majority to find: the clipped mean (one member moves it at most the other's norm)
+        return mean(list(x))
     v = median_rows(x)  # (d,) robust starting point
     diff = torch.empty_like(x)  # (n, d) reused: a fresh one per iteration cost ~30% of the time in page faults
     for _ in range(iters):

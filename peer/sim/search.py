@@ -11,22 +11,22 @@ The invariants, checked on the run's result (``check``):
   mean further from the honest mean than I1_BOUND x the largest honest deviation: at the round's
   base, the honest peers' pseudo-gradients (swarm.py's ``Probe``: the same sample of coordinates of
   each) have a mean m and lie at most D from it; every mean an honest peer applied (outside its void
-  shards) must lie within I1_BOUND x D of m (plus the int8 codec's rounding). Any average of honest parts lies within D, so what lies
-  further is what attackers did. (Before the cross-group stage's robust mean, I1 asked instead that
+  shards) must lie within I1_BOUND x D of m (plus the int8 codec's rounding). Any average of honest
+  parts lies within D, so what lies further is what attackers did. (Before the cross-group stage's robust mean, I1 asked instead that
   every group have an honest majority: with one model per round a group's mean is one of the
   round's inputs, and small derived groups without one are drawn by chance. I7 still counts them.)
 - I2: distinct honest states per round (measured; step 13 makes it 1);
 - I3: no honest peer is banned by an honest peer;
 - I4: the fraction of honest peer-rounds that completed (measured);
 - I5: every container a peer holds stays within ``MAX_CONTAINER`` entries (memory per peer bounded);
-- I7: the rounds (their states) that an honest peer applied from a group without an honest
-  majority, or with a shard that an attacker reduced and no honest member audited (measured: what
-  I1 was before);
 - I6: honest peer-rounds that completed at their all-reduce deadline (measured). With the search's
   small vectors a round takes seconds; one that completes only at its deadline waited for something
   that never came and then went on (a member's applied report withheld, or a wait the protocol
   should not have: a vouch for a sub-piece whose mean had long arrived held rounds open until the
-  deadline, and the others voided without that peer).
+  deadline, and the others voided without that peer);
+- I7: the rounds (their states) that an honest peer applied from a group without an honest
+  majority, or with a shard that an attacker reduced and no honest member audited (measured: what
+  I1 was before).
 
 I2, I4, I6 and I7 are numbers, not pass/fail: they are reported per schedule.
 """
@@ -235,9 +235,9 @@ def check(result: Result) -> tuple[list[tuple[str, str]], dict[str, float]]:
                       for rec in rounds)
     tainted = _tainted(result)
     measured = {"I2_states_per_round": max((len(v) for v in per_round.values()), default=0),
-                "I7_without_honest_majority": len(tainted),
                 "I4_completed_fraction": round(completed / max(1, expected), 4),
-                "I6_completed_at_deadline": at_deadline}
+                "I6_completed_at_deadline": at_deadline,
+                "I7_without_honest_majority": len(tainted)}
     return broken, measured
 
 

@@ -245,7 +245,8 @@ class SimPeer:
 @dataclass
 class Probe:
     """What one honest peer averaged in one round, on a fixed sample of PROBE_VALUES coordinates: its
-    own pseudo-gradient and, when the round completed, the mean it applied. The measure of what attackers did to the model: search.py's I1."""
+    own pseudo-gradient and, when the round completed, the mean it applied. The measure of what
+    attackers did to the model: search.py's I1."""
 
     peer: int
     round: int
