@@ -50,6 +50,7 @@ from hivetrain.peer.averaging.cross import (
     cross_codec,
     fallen_back,
     round_id,
+    vouch,
 )
 from hivetrain.peer.averaging.delivery import RETRY_PAUSE, Outbox, deliver, send_all
 from hivetrain.peer.averaging.disputes import settle_accusations
@@ -104,6 +105,7 @@ class AllReduceRunner:
         self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
+        self._vouches: dict[int, bytes] = {}  # shard -> our group's ``vouch`` of it (the same for every sub-piece)
         self.outbox = Outbox(ctx, session.round, session.deadline)  # our messages of the round, per member in order
 
     async def run(self, delta: torch.Tensor) -> Outcome:
@@ -151,15 +153,16 @@ class AllReduceRunner:
         self.claims = self._claims()
         ctx.behaviour.at("before_parts", r)
         relayed = ctx.me in s.relayed  # our audit copies go through the reducers: we send a pledge instead
+        signed = relayed or s.cross_on  # (cross stage: our signature is our word that we are in the group)
         for k in range(s.units):  # in shard order: every member sends its part of shard 0 first, then 1, ...
-            header = self._part_header(k, parts[k], relayed)
+            header = self._part_header(k, parts[k], signed)
             for peer, auditor in ((s.reducer(k), False), (s.auditor(k), True)):
                 if peer is not None and peer != ctx.me:
                     part = ctx.behaviour.part_for(r, k, peer, auditor, parts[k])
                     if auditor and relayed:
                         self.outbox.put(peer, self._header("pledge", k, digest=digest(part)), b"", strict=True)
                         continue
-                    sent = header if part is parts[k] else self._part_header(k, part, relayed)
+                    sent = header if part is parts[k] else self._part_header(k, part, signed)
                     self.outbox.put(peer, sent, part, strict=True)
         try:
             await self._pipeline()
@@ -239,7 +242,22 @@ class AllReduceRunner:
         result = hashlib.sha256(body).hexdigest() if body else VOID
         assert self.desk is not None
         return self._header("cross", k, sub=j, members=list(self.session.order), weight=weight, result=result,
-                            enc=enc, attest=attest, ok=ok, tier=0, bucket=self.desk.bucket, groups=1)
+                            enc=enc, attest=attest, ok=ok, tier=0, bucket=self.desk.bucket, groups=1,
+                            vouch=b"" if attest else self._vouch_of(k))
+
+    def _vouch_of(self, k: int) -> bytes:
+        """The members' words that they are in our group (their signed parts of shard ``k``, ours
+        included), for the designees: they count nobody else (cross.vouched)."""
+        s, ctx = self.session, self.ctx
+        if k not in self._vouches:
+            shard = s.shards[k]
+            words = {m: (digest(shard.parts[m]), shard.sigs[m]) for m in s.order
+                     if m in shard.sigs and m in shard.parts and m not in shard.invalid}
+            own = shard.parts.get(ctx.me)
+            if own is not None:
+                words[ctx.me] = (digest(own), sign_part(ctx.identity, s.where(k), digest(own)))
+            self._vouches[k] = vouch(s.order, words)
+        return self._vouches[k]
 
     async def _cross_shard(self, k: int) -> None:
         s, ctx = self.session, self.ctx

@@ -15,7 +15,9 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
 
 1. The reducer of shard k in each group, once its auditor approved the result (or rejected it:
    then the group's weight is 0), sends each sub-piece of its result with the group's members and
-   weight (members whose parts it used) to the sub-piece's designee (a ``cross`` request).
+   weight (members whose parts it used) to the sub-piece's designee (a ``cross`` request), and
+   the members' own signatures of the parts they sent it (``vouch``): the designee counts in the
+   weight only members that vouched, that it saw ready on its board, each in one group.
 2. The designee (``Desk``) waits until the groups it received cover every peer in the round: ready
    at our base by the round's *cutoff* (the earliest ready record + ``matchmaking_timeout``, the
    grace any straggler gets), less the peers whose round failed (they publish their ready record
@@ -42,8 +44,8 @@ back; the bucket's designee passes it on to its reducers (step 3: members check 
 signature). A bucket whose mean comes after the top's was computed (its designee was replaced)
 gets the top's mean without its values: one state, its work lost for that sub-piece.
 
-Known limits (SECURITY.md): the designee's mean is not audited yet, group weights are the group's
-own claim (at most the group's size), and an attacker that stores a backdated ready record late can
+Known limits (SECURITY.md): the designee's mean is not audited yet, a group's bytes are its
+reducer's (checked by one other member), and an attacker that stores a backdated ready record late can
 make honest peers derive different designees (their rounds then fork; fork choice resolves it).
 """
 
@@ -56,7 +58,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,9 +74,9 @@ from hivetrain.peer.averaging.api import pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.delivery import deliver, send_all
 from hivetrain.peer.averaging.ready import Ready, ReadyBoard
-from hivetrain.peer.averaging.statements import valid
+from hivetrain.peer.averaging.statements import Where, part_message, valid
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.net.wire import MAX_GROUP, MAX_PIECES, ZERO, Code
+from hivetrain.peer.net.wire import MAX_GROUP, MAX_PIECES, VOUCH_LEN, ZERO, Code
 
 logger = logging.getLogger(__name__)
 DESIGNATE_WINDOW = 1.0  # s after the earliest ready record: peers ready by then are the round's designees ...
@@ -91,6 +93,34 @@ LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most
 DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before the next designee is asked
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
+MAX_VOUCH_MEMO = 4096  # (group, shard, vouch) whose checked members a desk keeps
+
+
+def vouch(members: Sequence[str], words: dict[str, tuple[str, bytes]]) -> bytes:
+    """A group's ``vouch`` field: for each member, in ``members`` order, the digest of its part of the
+    shard and its signature of it (``statements.part_message``), or zeros where we hold none."""
+    out = bytearray(VOUCH_LEN * len(members))
+    for i, m in enumerate(members):
+        word = words.get(m)
+        if word is not None:
+            out[i * VOUCH_LEN:(i + 1) * VOUCH_LEN] = bytes.fromhex(word[0]) + word[1]
+    return bytes(out)
+
+
+def vouched(run: str, round_: int, group: str, k: int, members: Sequence[str], blob: bytes) -> frozenset[str]:
+    """The members whose own signature in ``blob`` says they sent a part of shard ``k`` to ``group``:
+    the only ones a designee counts in the group's weight, and the only ones whose groups it counts
+    as arrived. (A group's weight was its own claim, at most its size: two identities naming 64
+    ready peers as their group outweighed every honest group of a small run.)"""
+    if len(blob) != VOUCH_LEN * len(members):
+        return frozenset()
+    where = Where(run, round_, group, k)
+    out = set()
+    for i, m in enumerate(members):
+        word = blob[i * VOUCH_LEN:(i + 1) * VOUCH_LEN]
+        if any(word) and valid(m, word[16:], part_message(where, word[:16].hex())):
+            out.add(m)
+    return frozenset(out)
 
 
 def units(numel: int, target: int, piece_values: int) -> int:
@@ -274,6 +304,14 @@ class _Entry:
     attester: str = ""
     bucket: int = -1  # a bucket's mean (tier 1): which bucket
     groups: int = 1  # the groups in it
+    vouched: frozenset[str] = frozenset()  # members whose own signature says they are in the group (tier 0)
+
+    def covers(self, on_board: Collection[str]) -> frozenset[str]:
+        """The peers whose group this is, for the wait: every member it names when most of them vouched
+        and are on our board (a member that died before sending its parts is named, not vouched), else
+        those alone."""
+        vouched = self.vouched & frozenset(on_board)
+        return self.members if 2 * len(vouched) > len(self.members) else vouched
 
     def counts(self) -> bool:
         """Whether its values go into the mean: a bucket's mean, a group of one, or another member
@@ -331,6 +369,8 @@ class Desk:
         self._poller: asyncio.Task[None] | None = None
         self._late_sends: set[asyncio.Future[None]] = set()  # means sent to late buckets (kept from the GC)
         self._poke = asyncio.Event()  # read the board now (not at the next poll): a top mean waits for it
+        self.on_board: set[str] = set()  # peers of our bucket seen ready at our base: the only ones a group's weight counts
+        self._vouched: dict[tuple[str, int, bytes], frozenset[str]] = {}  # (group, shard, vouch) -> its vouched members
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
         plan = self.plan
@@ -349,6 +389,7 @@ class Desk:
                 self.level, self.ctx.me, self.ctx.spec.matchmaking_timeout))
         mine, plan = await asyncio.shield(self._planning)
         self.mine, self.plan = mine, plan
+        self._seen(mine.ready)
         return plan
 
     async def bucket_plans(self, again: bool = False) -> dict[int, Plan]:
@@ -426,8 +467,17 @@ class Desk:
         if len(unit.entries) >= MAX_CROSS_GROUPS:
             return Code.BUSY, "too many groups for one sub-piece"
         banned = sender in self.ctx.bans  # we caught its reducer misbehaving: its group gets the means, without its values
+        key = (group, k, header["vouch"])
+        if key not in self._vouched:
+            if len(self._vouched) >= MAX_VOUCH_MEMO:
+                self._vouched.clear()
+            self._vouched[key] = await asyncio.to_thread(vouched, self.ctx.run, self.round, group, k,
+                                                         header["members"], header["vouch"])
+        if unit.out is not None or unit.closed or group in unit.entries:  # (meanwhile)
+            return Code.NOT_MEMBER, "the mean of that sub-piece is computed, or that group's came meanwhile"
         entry = unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"],
-                                             b"" if banned else body, header["enc"], header["result"])
+                                             b"" if banned else body, header["enc"], header["result"],
+                                             vouched=self._vouched[key])
         for (g, attester), word in list(unit.early.items()):  # the first word held for it from another member
             if g == group:
                 del unit.early[(g, attester)]
@@ -551,6 +601,7 @@ class Desk:
             whole = whole or (buckets is None and bool(records))
             if self.bucket in held and self.plan is not None:
                 self.waiting = self.waited(held[self.bucket], self.mine or self.plan)
+                self._seen(r.peer_id for r in held[self.bucket] if r.done and r.base == self.base and r.spec == self.ctx.run)
             if top and self.plan is not None and whole:
                 everyone = self.waited([r for rs in held.values() for r in rs], self.plan)
                 self.waiting_buckets = {bucket_of(self.round, p, self.level) for p in everyone}
@@ -586,7 +637,7 @@ class Desk:
         """Whether every group (bucket) the mean waits for has arrived, and been vouched for."""
         if tier == 1:
             return self.waiting_buckets is not None and self.waiting_buckets <= {e.bucket for e in unit.entries.values()}
-        covered = set().union(*(e.members for e in unit.entries.values()))
+        covered = set().union(*(e.covers(self.on_board) for e in unit.entries.values()))
         attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0 for e in unit.entries.values())
         return self.waiting is not None and self.waiting <= covered and attested
 
@@ -606,7 +657,8 @@ class Desk:
                     await asyncio.wait_for(self.changed.wait(),
                                            min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
-            body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, list(unit.entries.values()))
+            entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
+            body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
             if tier == 0 and self.level > 0:
                 mean = await self._up(k, j, unit, body, weight, groups, enc)
                 if mean is None:
@@ -630,6 +682,28 @@ class Desk:
             await send_all(self.ctx, self.round, deadline, sends, strict=False)
         except Exception as e:  # a background task: say what went wrong, never raise unseen
             logger.warning("round %d: the mean of sub-piece (%d, %d) failed: %r", self.round, k, j, e)
+
+    def _seen(self, peers: Iterable[str]) -> None:
+        for p in peers:
+            if len(self.on_board) >= MAX_DESIGNEES:
+                break
+            self.on_board.add(p)
+
+    def _weighed(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
+        """The groups' entries with the weight we count: at most the members that vouched for the group
+        and that we saw ready on our board, each in one group only (a member that vouched for two
+        groups of the round counts in neither)."""
+        times = Counter(m for e in entries for m in e.vouched)
+        twice = {m for m, n in times.items() if n > 1}
+        out = []
+        for e in entries:
+            counted = len((e.vouched - twice) & self.on_board)
+            if counted < e.weight:
+                logger.info("round %d: group %s claims weight %d in sub-piece (%d, %d); %d of its members vouched "
+                            "and are on our board", self.round, e.group[:12], e.weight, k, j, counted)
+                e = dataclasses.replace(e, weight=counted)
+            out.append(e)
+        return out
 
     def _send_late(self, unit: _Unit) -> None:
         """The mean, to the buckets that came after it was computed (each once)."""
@@ -655,7 +729,7 @@ class Desk:
         result = hashlib.sha256(body).hexdigest() if body else VOID
         header = self.ctx.header("cross", self.round, self.base, group=self.label, shard=k, sub=j, members=[],
                                  weight=weight, result=result, enc=enc, attest=False, ok=True, tier=1,
-                                 bucket=self.bucket, groups=groups)
+                                 bucket=self.bucket, groups=groups, vouch=b"")
         unit.sent = (result, body)
         patience = LONG_WAIT * self.ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
         for designee in self.plan.ranked(k, j):

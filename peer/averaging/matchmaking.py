@@ -93,7 +93,8 @@ class Matchmaking:
         self._priorities: dict[str, tuple[float, bytes]] = {}  # memos of ``_order`` and probation, this round
         self._newcomers: dict[str, bool] = {}
         self._caps = Caps(me=ctx.me, priority=self._priority, newcomer=self._newcomer, prefixes=self._prefixes,
-                          max_per_prefix=ctx.spec.max_per_prefix, banned=ctx.bans.__contains__)
+                          max_per_prefix=ctx.spec.max_per_prefix, banned=ctx.bans.__contains__,
+                          board=self.ready_here.__contains__ if ctx.spec.cross_groups else None)
 
     # ---- handlers (called by the averager's dispatch, on the loop) --------------------------------
 

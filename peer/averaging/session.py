@@ -85,7 +85,8 @@ class ShardState:
     excluded: list[str] = field(default_factory=list)  # members the reducer left out
     result_sig: bytes = b""
     verdict: Verdict | None = None  # from the auditor
-    sigs: dict[str, bytes] = field(default_factory=dict)  # slow member -> its signature of its part (we reduce, relay it)
+    sigs: dict[str, bytes] = field(default_factory=dict)  # member -> its signature of its part (we relay a slow
+    # member's; with the cross stage every member's: its word to the designees that it is in our group)
     pledged: dict[str, str] = field(default_factory=dict)  # slow member -> the digest it pledged us (we audit)
     refused: set[str] = field(default_factory=set)  # slow members whose part the reducer says it refused (we audit)
     evidence: list[bytes] | None = None  # our copies of the parts behind our accusation (we audit it)
@@ -297,9 +298,10 @@ class RoundSession:
             shard.invalid[sender] = why  # marked, so that we do not wait for it until the deadline
             self.arrived.set()
             return Code.WRONG_SIZE, why
-        if sender in self.relayed and not valid(sender, bytes.fromhex(header["sig"]),
-                                                part_message(self.where(k), header["digest"])):
-            return self._convict(sender, Code.MALFORMED, f"its part of shard {k} is not signed by it (we relay it)")
+        if (sender in self.relayed or self.cross_on) and not valid(sender, bytes.fromhex(header["sig"]),
+                                                                   part_message(self.where(k), header["digest"])):
+            # (cross stage: the signature is the member's word that it is in our group, for the designees)
+            return self._convict(sender, Code.MALFORMED, f"its part of shard {k} is not signed by it")
         return None
 
     def _admit_pledge(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
@@ -399,7 +401,7 @@ class RoundSession:
                 self.arrived.set()
                 return Code.MALFORMED, shard.invalid[sender]
             shard.parts[sender] = body
-            if sender in self.relayed:
+            if sender in self.relayed or self.cross_on:
                 shard.sigs[sender] = bytes.fromhex(header["sig"])
         elif kind == "pledge":
             self.shards[k].pledged[sender] = header["digest"]

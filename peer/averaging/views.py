@@ -19,7 +19,9 @@ word: the one member whose departure reconciles the most of them leaves, ties go
 disagrees itself, then to the lower priority (earned trust first, then a hash rank nobody chooses).
 So a stranger that excludes an established member only removes itself, and so does a peer that
 answers with a view it never converges on. A decision another peer reports is adopted only if it
-contains us, lies inside our own effective view and passes our caps.
+contains us, lies inside our own effective view and passes our caps. With derived groups (one model
+per round) only peers ready at our base on our board are members, and nothing is decided before we
+derived our group from the board.
 
 *Closed* peers (nobody can dial them: behind a NAT, peer/reach.py) are outbound-only members.
 Nobody asks a closed peer for its view; it asks the others. So an open peer takes a closed
@@ -86,6 +88,7 @@ class View:
     claims: dict[str, int] = field(default_factory=dict)  # uplink claims, first-hand (bounded like candidates)
     me_up: int = 0  # our uplink claim (fixed for the round)
     allowed: frozenset[str] | None = None  # our part of the round's derived partition (None: not derived)
+    derived: bool = False  # we derived our group (``allowed`` may be None again: it left us alone)
     left_out: frozenset[str] = frozenset()  # candidates the partition put elsewhere, or nowhere (not on our board)
     order: Priority | None = None  # who keeps a place among the candidates when they are full (None: first come)
     evicted: int = 0  # candidates that gave their place to one of higher priority
@@ -170,6 +173,7 @@ def derive_group(view: View, ready: Collection[str], target: int) -> frozenset[s
     our board, first-hand: signed records) and us; returns it."""
     ours = next(g for g in partition({*ready, view.me}, view.round, view.base, target) if view.me in g)
     view.allowed = ours
+    view.derived = True
     view.left_out = frozenset(sorted(view.candidates - ours)[: 4 * MAX_GROUP])
     view.candidates = (view.candidates | ours) & ours - {view.me}
     return ours
@@ -186,11 +190,18 @@ class Caps:
     max_per_prefix: int
     banned: Callable[[str], bool]
     max_size: int = MAX_GROUP
+    # Derived groups (one model per round): whether a peer is ready at our base on our board, a record
+    # signed by its own key and read first-hand; nobody else is ever a member, not even after the
+    # derived group left us alone. None: any peer ready first-hand may be (asking us is enough).
+    board: Callable[[str], bool] | None = None
 
     def apply(self, members: Iterable[str]) -> tuple[list[str], dict[str, str]]:
         """(kept: us first, then the others in priority order; {dropped: why})."""
         ordered = sorted(set(members) - {self.me}, key=self.priority)
         dropped = {p: "banned: we caught it misbehaving" for p in ordered if self.banned(p)}
+        if self.board is not None:
+            dropped.update({p: "not ready at our base on our board" for p in ordered
+                            if p not in dropped and not self.board(p)})
         ordered = [p for p in ordered if p not in dropped]
         if self.max_per_prefix > 0:
             position = {p: i + 1 for i, p in enumerate(ordered)}  # within a prefix, the higher priority stays
@@ -354,6 +365,12 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
         return Report(frozenset(), frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
     if view.decided is not None:
         return Report(frozenset(view.decided), frozenset(), decided=True, closed=view.me_closed, up=view.me_up)
+    if caps.board is not None and not view.derived and request.decided:
+        # With derived groups nothing is decided before we derive our group from the board: a closed
+        # member that derived before us tells us again by asking (its last request is its report),
+        # and an identity's "decided: {you, me}" in our window no longer skips the partition
+        # (it made a stock-hivemind outsider a member of an honest group: review N1, again)
+        request = Report(request.members, request.excluded, decided=False, closed=request.closed, up=request.up)
     if caps.banned(sender):
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too

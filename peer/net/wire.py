@@ -107,6 +107,13 @@ def _opt_sig(v: Any) -> bool:
     return v == "" or _sig(v)
 
 
+VOUCH_LEN = 16 + 64  # one member's word in a group's ``vouch`` (peer/averaging/cross.py): part digest, signature
+
+
+def _vouch(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) <= VOUCH_LEN * MAX_GROUP and len(v) % VOUCH_LEN == 0
+
+
 def _part_digest(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 32 and bool(_DIGEST.fullmatch(v))
 
@@ -156,11 +163,14 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # the cross-group stage (peer/averaging/cross.py): a reducer's sub-piece ``sub`` of shard ``shard`` of its
     # group's result, with the group's members and weight (members whose parts it used), to the sub-piece's designee
     # (attest: no body, another member's word that ``result`` is the group's approved sub-piece: ok)
+    # vouch: per member, the digest of its part of the shard and its signature of it (its word that it is in the
+    # group: the designee counts no one else); empty in an attestation and in a bucket's mean
     # tier 1: a bucket's mean (``bucket``, its designee the sender, ``group`` the bucket's label, no members, the
     # ``groups`` in it) to the sub-piece's designee in the round's top bucket, which sends its signed mean back
     "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, 1 << 20),
               "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool, "tier": _int(0, 1),
-              "bucket": _int(0, (1 << 12) - 1), "groups": _int(0, 1 << 16)},
+              "bucket": _int(0, (1 << 12) - 1), "groups": _int(0, 1 << 16),
+              "vouch": _vouch},
     # ... and the designee's signed weighted mean over the groups (``groups`` of them, ``weight`` members in
     # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)
     # enc: encoded with the codec reducers use for groups of that size (one group's bytes pass through)
@@ -236,7 +246,7 @@ async def read_header(reader: asyncio.StreamReader, timeout: float | None,
         try:
             header = msgpack.unpackb(
                 await reader.readexactly(header_len), raw=False, strict_map_key=True, ext_hook=_reject_ext,
-                max_str_len=4096, max_bin_len=0, max_array_len=MAX_GROUP, max_map_len=16, max_ext_len=0,
+                max_str_len=4096, max_bin_len=VOUCH_LEN * MAX_GROUP, max_array_len=MAX_GROUP, max_map_len=24, max_ext_len=0,
             )
         except ProtocolError:
             raise

@@ -521,8 +521,9 @@ class CandidateFlood(Attack):
 
 class DecidedPair(Attack):
     name = "decided_pair"
-    about = ("N1: an unsolicited view request marked decided, members [P, X], to each honest peer P "
-             "(adopted: P drops its group and averages with X alone)")
+    about = ("N1: a view request [P, X], then one marked decided with the same members, to each honest peer P, "
+             "from an identity that never published a ready record (adopted: P drops its group and averages "
+             "with X alone)")
     runs_peer = False
 
     async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
@@ -530,8 +531,9 @@ class DecidedPair(Attack):
 
         async def act(round_: int, base: str, peer: str, n: int) -> None:
             x = attackers[n % len(attackers)]
-            await request(links[x.id], peer, avg_protocol(swarm),
-                          view_header(swarm, round_, base, [peer, x.id], decided=True), b"", 3.0)
+            for decided in (False, True):  # asked first: a decision is adopted only from a peer that asked
+                await request(links[x.id], peer, avg_protocol(swarm),
+                              view_header(swarm, round_, base, [peer, x.id], decided=decided), b"", 3.0)
 
         await on_ready(swarm, attackers, act, poll=0.05)
 
@@ -541,11 +543,11 @@ class DecidedPair(Attack):
                  if mm.view.decided is not None and bad & set(mm.view.decided)]
         pairs += [(i, rec["round"]) for i, rec in with_attackers(result)]
         refused = [(i, r) for i, r, mm in matchmakings(result)
-                   if any("cannot accept" in mm.view.excluded.get(b, "") for b in bad)]
+                   if any("cannot accept" in mm.view.excluded.get(b, "") or b in mm.view.reports for b in bad)]
         if not pairs and not refused:
             return None
-        return (f"{len(set(pairs))} honest peer-rounds decided a group with an attacker that asked once; "
-                f"{len(set(refused))} refused its decision")
+        return (f"{len(set(pairs))} honest peer-rounds decided a group with an attacker; "
+                f"{len(set(refused))} heard its decision and refused it")
 
 
 class EarlyPart(Attack):
@@ -764,11 +766,81 @@ class RelayedVotes(Attack):
         return None
 
 
+class InflatedGroup(Attack):
+    name = "inflated_group"
+    about = ("a group's weight was its reducer's claim: two identities on the board send every designee a "
+             "made-up group naming every ready peer, weighing them all, with values 100x the honest scale, "
+             "one attesting the other's bytes (cross stage)")
+    runs_peer = False
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        import torch
+
+        from hivetrain.peer.averaging import cross
+        from hivetrain.peer.averaging.api import shard_bounds
+        from hivetrain.peer.averaging.statements import Where, sign_part
+
+        links = await stall_on(swarm, attackers)
+        spec, spec_hash, numel = swarm.spec, run_hash(swarm), swarm.scenario.numel
+        units_ = cross.units(numel, spec.target_group_size, spec.piece_values)
+        window, settle = cross.windows(spec.matchmaking_timeout)
+        done: set[tuple[int, str]] = set()
+        pair = attackers[:2] if len(attackers) >= 2 else attackers * 2
+
+        async def attack(round_: int, base: str) -> None:
+            for peer in attackers:  # on the board: ready at the honest base (and silent: never in a group)
+                ready = Ready(peer.id, round_, base, spec_hash, True, clock.wall(), False)
+                await swarm.dht.store(client(swarm, peer), sign(peer.identity, swarm.run_key, ready, 60.0))
+            await asyncio.sleep(window + settle + 0.5)  # the designees have read the board
+            records = await board(swarm, attackers[0], round_)
+            plan = cross.derive(records, round_, base, spec_hash, units_, numel, window)
+            names = sorted({r.peer_id for r in records if r.done and r.base == base})[:63]
+            members = sorted({pair[0].id, pair[1].id, *names})[:64]
+            group = hashlib.sha256(f"inflated/{round_}/{base}".encode()).hexdigest()
+            codec = cross.cross_codec(spec.codec())
+            sends = []
+            for k, (start, end) in enumerate(shard_bounds(numel, units_)):
+                words = {p.id: ("0" * 32, sign_part(p.identity, Where(spec_hash, round_, group, k), "0" * 32))
+                         for p in pair}
+                blob = cross.vouch(members, words)
+                for j, (a, b) in enumerate(plan.sub_bounds(start, end)):
+                    body = codec.encode(torch.full((b - a,), 100.0))
+                    header = {"type": "cross", "run": spec_hash, "round": round_, "base": base, "group": group,
+                              "shard": k, "sub": j, "members": members, "weight": len(members),
+                              "result": hashlib.sha256(body).hexdigest(), "enc": 64, "attest": False, "ok": True,
+                              "tier": 0, "bucket": 0, "groups": 1, "vouch": blob}
+                    for designee in plan.ranked(k, j)[:1]:
+                        sends.append(quietly(request(links[pair[0].id], designee, avg_protocol(swarm), header,
+                                                     body, 5.0)))
+                        word = dict(header, attest=True, vouch=b"")
+                        sends.append(quietly(request(links[pair[1].id], designee, avg_protocol(swarm), word, b"",
+                                                     5.0)))
+            await asyncio.gather(*sends)
+
+        async def act(round_: int, base: str, peer: str, n: int) -> None:
+            if (round_, base) not in done:
+                done.add((round_, base))
+                await attack(round_, base)
+
+        await on_ready(swarm, attackers, act)
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        held = [(i, r, e) for i, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                for u in desk.work.values() for e in u.entries.values() if e.holder in bad]
+        if not held:
+            return None
+        most = max(e.weight for _, _, e in held)
+        return (f"{len(held)} made-up groups taken by honest designees (claiming weight {most}; "
+                f"{max(len(e.vouched) for _, _, e in held)} members vouched at most)")
+
+
 LIBRARY: dict[str, Attack] = {a.name: a for a in (
     Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
     DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
-    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay())}
+    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
 # the attacks the search's small and large families draw from (peer/sim/search.py): fixed, so that a
 # documented seed keeps its schedule when the library grows; later attacks are drawn by later families
 FIRST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:16]
+SLOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:17]  # (the slow family's; the whole library from ANY_SEEDS on)

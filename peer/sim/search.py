@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hivetrain.peer.sim.attacks import FIRST_ATTACKS, LIBRARY
+from hivetrain.peer.sim.attacks import FIRST_ATTACKS, LIBRARY, SLOW_ATTACKS
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
 from hivetrain.peer.sim.swarm import Event, Probe, Result, Scenario, simulate
 
@@ -65,22 +65,30 @@ class Violation:
 
 LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
 RELAY_SEEDS = 2_000_000  # ... and from here the slow family: a third of the peers on slow links
+ANY_SEEDS = 3_000_000  # ... and from here the small family's runs with any attack of the library
 
 
 def schedule(seed: int) -> Scenario:
     """The random schedule of ``seed`` (deterministic). Seeds from ``LARGE_SEEDS`` on draw a large
     run instead: 24 to 40 peers at target 2, with ``expected_peers`` in the spec, so that ready
     records and heartbeats spread over buckets and many groups meet in the cross-group stage (the
-    small family never exercises either); seeds below keep the schedules documented before it."""
+    small family never exercises either); seeds below keep the schedules documented before it.
+    From ``RELAY_SEEDS`` on, the slow family (``_slow``); from ``ANY_SEEDS`` on, the small family's
+    runs drawing from the whole library (attacks added after the first 16 are drawn there)."""
+    if seed >= ANY_SEEDS:
+        return _small(seed, random.Random(f"search-any/{seed}"), tuple(LIBRARY))
     if seed >= RELAY_SEEDS:
         return _slow(seed)
     if seed >= LARGE_SEEDS:
         return _large(seed)
-    rng = random.Random(f"search/{seed}")
+    return _small(seed, random.Random(f"search/{seed}"), FIRST_ATTACKS)
+
+
+def _small(seed: int, rng: random.Random, library: tuple[str, ...]) -> Scenario:
     n = rng.randint(6, 14)
     f = rng.randint(1, (n - 1) // 3)  # f < n/3
     prefixes = rng.randint(1, f)
-    attacks = tuple(sorted(rng.sample(sorted(FIRST_ATTACKS), rng.choice((1, 1, 2)))))
+    attacks = tuple(sorted(rng.sample(sorted(library), rng.choice((1, 1, 2)))))
     dishonest = tuple(sorted(rng.sample(range(n), f)))
     honest = [i for i in range(n) if i not in dishonest]
     events: tuple[Event, ...] = ()
@@ -118,7 +126,7 @@ def _slow(seed: int) -> Scenario:
     n = rng.randint(6, 12)
     f = rng.randint(1, (n - 1) // 3)
     prefixes = rng.randint(1, f)
-    others = sorted(a for a in LIBRARY if a != "tampered_relay")
+    others = sorted(a for a in SLOW_ATTACKS if a != "tampered_relay")
     attacks = tuple(sorted({"tampered_relay" if rng.random() < 0.5 else rng.choice(others), rng.choice(others)}))
     dishonest = tuple(sorted(rng.sample(range(n), f)))
     honest = [i for i in range(n) if i not in dishonest]

@@ -54,16 +54,19 @@ def test_join_mid_run_syncs_verified_state_and_avoids_poisoned_donor(swarm, tmp_
     # joiner's own log is the witness, not one sync's record
     assert (tmp_path / "fault.log").read_text().startswith("corrupt@serve_state")
     assert f"dropping state donor {poisoned_id}: piece" in joiner.log.read_text()
-    # it takes part from the boundary of its last sync on, bit-identical with the group
+    # it takes part from the boundary of its last sync on, on the round's one state
     first = [r for r in joiner.records() if r["round"] == syncs[-1]["round"]][-1]
-    assert not first["void"] and first["group_size"] == 4, joiner.records()
-    assert first["state_hash"] == _hash_after(owner, first["round"])
+    assert not first["void"] and first["state_hash"] == _hash_after(owner, first["round"]), joiner.records()
     assert joiner.records()[-1]["state_hash"] == owner.records()[-1]["state_hash"]
-    # Sybil brake: in its first round the established reducers gave the newcomer's part weight 0
+    # Sybil brake: in the first round it shared a group with them, the established reducers gave the
+    # newcomer's part weight 0. (That is mostly the round of its last sync; on a busy machine its ready
+    # record can reach the others' boards after they derived their group: it is then a group of its own
+    # that round, still in the round's one model through the cross stage, and grouped the next.)
     joiner_id = joiner.records("start")[0]["peer_id"]
-    owner_first = next(r for r in owner.records() if r["round"] == first["round"])
-    assert "on probation" in owner_first["excluded"].get(joiner_id, ""), owner_first["excluded"]
-    later = next(r for r in owner.records() if r["round"] == first["round"] + 1)
+    together = next(r for r in owner.records() if r["round"] >= first["round"] and joiner_id in r["group"])
+    assert together["round"] <= first["round"] + 1, owner.records()
+    assert "on probation" in together["excluded"].get(joiner_id, ""), together["excluded"]
+    later = next(r for r in owner.records() if r["round"] == together["round"] + 1)
     assert joiner_id in later["group"] and joiner_id not in later["excluded"], later
 
 

@@ -355,3 +355,28 @@ def test_one_attacker_in_a_pair_sending_huge_parts_moves_the_run_a_bounded_way()
     violations, measured = check(result)
     assert violations == [] and measured["I7_without_honest_majority"] >= 1
     assert measured["I2_states_per_round"] == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_an_identity_off_the_board_that_asks_then_decides_a_pair_is_never_a_member(seed: int) -> None:
+    """Review N1 as a stock-hivemind outsider played it in CI: it never published a ready record, asked
+    each honest peer for its view, then told it "decided: {you, me}" while the peer's window was open.
+    With derived groups only peers ready on our board are members, and nothing is decided before the
+    partition: no honest peer-round has it in its group, and every honest peer heard it."""
+    result = simulate(Scenario(peers=6, rounds=3, target=4, seed=seed, dishonest=(5,), attacks=("decided_pair",)))
+    evidence = LIBRARY["decided_pair"].happened(result)
+    assert evidence and evidence.startswith("0 honest peer-rounds decided"), evidence
+    assert not [p.index for p in result.peers if p.honest and p.failed is not None]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_made_up_group_naming_every_ready_peer_weighs_only_its_vouched_members(seed: int) -> None:
+    """Two identities on the board send every designee a group of their own naming every ready peer
+    (weight 8 claimed), values 100x the honest scale, one attesting the other. With the group's claim
+    as its weight the designees' robust mean followed them (1.7e3 x the largest honest deviation in
+    every honest state of both seeds); counted by the members' own signatures it weighs 2."""
+    result = simulate(Scenario(peers=8, rounds=3, target=4, seed=seed, dishonest=(0, 1), attacks=("inflated_group",)))
+    evidence = LIBRARY["inflated_group"].happened(result)
+    assert evidence and "claiming weight 8" in evidence and "2 members vouched at most" in evidence, evidence
+    violations, measured = check(result)
+    assert violations == [] and measured["I2_states_per_round"] == 1

@@ -21,10 +21,11 @@ from hivetrain.peer.averaging.cross import (
     derive,
     read_plan,
     top_bucket,
+    vouch,
 )
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
-from hivetrain.peer.net.wire import ZERO, Code
+from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
 
 RUN, BASE, OTHER = "a" * 64, "b" * 64, "c" * 64
 
@@ -118,7 +119,8 @@ def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_
 
     def header(shard: int, attest: bool, names: list[str], group: str = group) -> dict[str, object]:
         return {"type": "cross", "shard": shard, "sub": 0, "members": names, "weight": 3, "result": result,
-                "enc": 3, "attest": attest, "ok": True, "group": group, "tier": 0, "bucket": 0, "groups": 1}
+                "enc": 3, "attest": attest, "ok": True, "group": group, "tier": 0, "bucket": 0, "groups": 1,
+                "vouch": b""}
 
     async def go() -> None:
         try:
@@ -237,7 +239,8 @@ def test_a_top_designee_takes_a_buckets_mean_only_from_that_buckets_designee_and
             def header(weight: int, bucket_: int = other) -> dict[str, object]:
                 return {"type": "cross", "shard": k, "sub": j, "members": [], "weight": weight,
                         "result": hashlib.sha256(body).hexdigest(), "enc": 8, "attest": False, "ok": True,
-                        "group": bucket_label(RUN, 3, BASE, bucket_), "tier": 1, "bucket": bucket_, "groups": 2}
+                        "group": bucket_label(RUN, 3, BASE, bucket_), "tier": 1, "bucket": bucket_, "groups": 2,
+                        "vouch": b""}
 
             designee = bucket.ranked(k, j)[0]
             outsider = next(p for p in peers if p not in bucket.ranked(k, j))
@@ -252,6 +255,71 @@ def test_a_top_designee_takes_a_buckets_mean_only_from_that_buckets_designee_and
             assert (await d.accept(designee, header(len(peers) + 5), body))[0] == Code.OK
             entry = d.work[(1, k, j)].entries[bucket_label(RUN, 3, BASE, other)]
             assert entry.counts() and entry.bucket == other and entry.groups == 2 and entry.weight == len(peers)
+        finally:
+            d.stop()
+
+    asyncio.run(go())
+
+
+def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_on_its_board() -> None:
+    """Two identities named 64 peers as their group and claimed its weight: the weighted robust mean
+    followed them, outweighing every honest group of a small run. A member counts only on its own
+    signature of its part (sent to that group), and only if the designee saw it ready; a member that
+    vouched for two groups counts in neither; the designee's wait counts a group's named members as
+    arrived only when most of them vouched."""
+    from hivetrain.peer.averaging.statements import Where, sign_part
+
+    honest = [Identity.generate() for _ in range(4)]
+    sybils = [Identity.generate() for _ in range(2)]
+    fresh = [Identity.generate() for _ in range(3)]  # keys nobody saw on the board
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4, aggregation="robust")
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=honest[0].peer_id, codec=spec.codec(), bans=set())
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    board = [i.peer_id for i in honest + sybils]
+    d.plan = derive([ready(p, clock.wall()) for p in board], 3, BASE, RUN, units_=8, numel=1 << 16)
+    d._seen(d.plan.ready)
+    ctx.me = d.plan.ranked(0, 0)[0]  # (we are the sub-piece's designee)
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = d.plan.sub_bounds(start, end)[0]
+
+    def entry(group: str, members: list[Identity], signers: list[Identity], values: torch.Tensor,
+              names: list[str] | None = None) -> tuple[dict[str, object], bytes]:
+        names = names or [m.peer_id for m in members]
+        words = {s.peer_id: ("0" * 32, sign_part(s, Where(RUN, 3, group, 0), "0" * 32)) for s in signers}
+        body = ctx.codec.for_results(MAX_GROUP).encode(values)
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": names, "weight": len(names),
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch(names, words)}, body)
+
+    async def go() -> None:
+        try:
+            good, evil = torch.ones(b - a), torch.full((b - a,), -100.0)
+            h, body = entry("1" * 64, honest, honest, good)
+            assert (await d.accept(honest[1].peer_id, h, body))[0] == Code.OK
+            # the sybils' group: themselves, three fresh keys (they vouch), the honest peers (they cannot)
+            names = [i.peer_id for i in sybils + fresh + honest]
+            h, body = entry("2" * 64, [], sybils + fresh, evil, names)
+            assert (await d.accept(sybils[0].peer_id, h, body))[0] == Code.OK
+            # a forged word: a sybil's signature in an honest member's place
+            forged = dict(h, group="3" * 64)
+            assert (await d.accept(sybils[1].peer_id, forged, body))[0] == Code.OK
+            unit = d.work[(0, 0, 0)]
+            assert unit.entries["2" * 64].vouched == {i.peer_id for i in sybils + fresh}
+            assert unit.entries["3" * 64].vouched == frozenset()  # signed for another group: counts nowhere
+            assert unit.entries["2" * 64].covers(d.on_board) == {i.peer_id for i in sybils}  # no honest peer arrived
+            assert unit.entries["1" * 64].covers(d.on_board) == set(board[:4])
+            weighed = {e.group: e.weight for e in d._weighed(0, 0, list(unit.entries.values()))}
+            assert weighed == {"1" * 64: 4, "2" * 64: 2, "3" * 64: 0}  # fresh keys: not on the board
+            for e in unit.entries.values():
+                e.attested = True
+            out, weight, _, enc = d._mean(0, 0, d._weighed(0, 0, list(unit.entries.values())))
+            mean = ctx.codec.for_results(enc).decode(out, b - a)
+            assert weight == 6 and float(mean.mean()) > 0  # the honest majority holds the round's mean
+            # one honest member that also vouched for the sybils' group counts in neither
+            h, body = entry("4" * 64, [], [honest[3], sybils[0]], evil, [honest[3].peer_id, sybils[0].peer_id])
+            assert (await d.accept(sybils[0].peer_id, h, body))[0] == Code.OK
+            weighed = {e.group: e.weight for e in d._weighed(0, 0, list(unit.entries.values()))}
+            assert weighed["1" * 64] == 3 and weighed["2" * 64] == 1 and weighed["4" * 64] == 0
         finally:
             d.stop()
 

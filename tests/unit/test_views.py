@@ -306,3 +306,33 @@ def test_a_decision_is_never_adopted_unsolicited_nor_when_it_drops_a_member_revi
     answer(dropping, "x", Report(frozenset({"o0", "o1", "x"}), frozenset(), decided=False, closed=True), caps)
     answer(dropping, "x", pair, caps)  # it asked before, but its decision leaves o1 out
     assert dropping.decided is None and "cannot accept" in dropping.excluded["x"]
+
+
+def test_with_derived_groups_only_peers_on_our_board_are_members_and_nothing_is_decided_before_we_derive() -> None:
+    """A stock-hivemind outsider that never published a ready record asked us for our view, then told
+    us "decided: {you, me}" while our window was open (our view: us and it): adopted, it skipped the
+    partition and averaged with us (CI, 2026-12-05). Nobody off our board is a member, before or after
+    we derive, and no decision is adopted before we derived ours."""
+    board = {"o1", "o2"}
+    caps = Caps(me="o0", priority=priority(ROUND, BASE, lambda p: 0.0), newcomer=lambda p: False, prefixes={},
+                max_per_prefix=0, banned=lambda p: False, board=board.__contains__)
+    window = View(ROUND, BASE, "o0", set())
+    asks = Report(frozenset({"o0", "x"}), frozenset(), decided=False, closed=True)
+    answer(window, "x", asks, caps)
+    reply = answer(window, "x", Report(frozenset({"o0", "x"}), frozenset(), decided=True, closed=True), caps)
+    assert window.decided is None and not reply.decided and reply.members == {"o0"}
+    assert "x" in window.candidates and "board" in window.capped["x"]  # heard, never a member
+    # a board peer's decision in our window is not adopted either (it is a request like any other)
+    window.candidates.add("o1")
+    answer(window, "o1", Report(frozenset({"o0", "o1"}), frozenset(), decided=False, closed=True), caps)
+    answer(window, "o1", Report(frozenset({"o0", "o1"}), frozenset(), decided=True, closed=True), caps)
+    assert window.decided is None and "o1" not in window.excluded
+    # derived, and then left alone (the derived group's members did not answer): reopened to the board only
+    derive_group(window, board, target=4)
+    window.exclude("o2", "did not answer our view request")
+    window.allowed = None
+    answer(window, "y", Report(frozenset({"o0", "y"}), frozenset(), decided=False), caps)
+    assert settle(window, caps) == {"o0", "o1"} and "board" in window.capped["y"]
+    # after we derived, a board member's decision of exactly our view is adopted as before
+    answer(window, "o1", Report(frozenset({"o0", "o1"}), frozenset(), decided=True, closed=True), caps)
+    assert window.decided == ("o0", "o1")
