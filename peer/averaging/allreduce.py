@@ -156,6 +156,8 @@ class AllReduceRunner:
         signed = relayed or s.cross_on  # (cross stage: our signature is our word that we are in the group)
         for k in range(s.units):  # in shard order: every member sends its part of shard 0 first, then 1, ...
             header = self._part_header(k, parts[k], signed)
+            if signed and ctx.me in s.shards[k].parts:  # our own word in our group's vouch (_vouch_of)
+                s.shards[k].sigs[ctx.me] = bytes.fromhex(header["sig"])
             for peer, auditor in ((s.reducer(k), False), (s.auditor(k), True)):
                 if peer is not None and peer != ctx.me:
                     part = ctx.behaviour.part_for(r, k, peer, auditor, parts[k])
@@ -248,14 +250,10 @@ class AllReduceRunner:
     def _vouch_of(self, k: int) -> bytes:
         """The members' words that they are in our group (their signed parts of shard ``k``, ours
         included), for the designees: they count nobody else (cross.vouched)."""
-        s, ctx = self.session, self.ctx
+        s = self.session
         if k not in self._vouches:
             shard = s.shards[k]
-            words = {m: (digest(shard.parts[m]), shard.sigs[m]) for m in s.order
-                     if m in shard.sigs and m in shard.parts and m not in shard.invalid}
-            own = shard.parts.get(ctx.me)
-            if own is not None:
-                words[ctx.me] = (digest(own), sign_part(ctx.identity, s.where(k), digest(own)))
+            words = {m: (digest(shard.parts[m]), shard.sigs[m]) for m in s.order if m in shard.sigs and m in shard.parts}
             self._vouches[k] = vouch(s.order, words)
         return self._vouches[k]
 

@@ -461,23 +461,19 @@ class Desk:
         why = self._body_error(k, j, header, body)
         if why:
             return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
+        members_vouched = await self._vouched_of(group, k, header)
+        if unit.out is not None or unit.closed:  # (meanwhile)
+            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+        entry = unit.entries.get(group)
         if entry is not None:
             same = entry.body == body and entry.holder == sender
             return (Code.DUPLICATE, "") if same else (Code.EQUIVOCATION, "another sub-piece for that group")
         if len(unit.entries) >= MAX_CROSS_GROUPS:
             return Code.BUSY, "too many groups for one sub-piece"
         banned = sender in self.ctx.bans  # we caught its reducer misbehaving: its group gets the means, without its values
-        key = (group, k, header["vouch"])
-        if key not in self._vouched:
-            if len(self._vouched) >= MAX_VOUCH_MEMO:
-                self._vouched.clear()
-            self._vouched[key] = await asyncio.to_thread(vouched, self.ctx.run, self.round, group, k,
-                                                         header["members"], header["vouch"])
-        if unit.out is not None or unit.closed or group in unit.entries:  # (meanwhile)
-            return Code.NOT_MEMBER, "the mean of that sub-piece is computed, or that group's came meanwhile"
         entry = unit.entries[group] = _Entry(sender, group, members, 0 if banned else header["weight"],
                                              b"" if banned else body, header["enc"], header["result"],
-                                             vouched=self._vouched[key])
+                                             vouched=members_vouched)
         for (g, attester), word in list(unit.early.items()):  # the first word held for it from another member
             if g == group:
                 del unit.early[(g, attester)]
@@ -682,6 +678,17 @@ class Desk:
             await send_all(self.ctx, self.round, deadline, sends, strict=False)
         except Exception as e:  # a background task: say what went wrong, never raise unseen
             logger.warning("round %d: the mean of sub-piece (%d, %d) failed: %r", self.round, k, j, e)
+
+    async def _vouched_of(self, group: str, k: int, header: dict[str, Any]) -> frozenset[str]:
+        """``vouched`` for a group's sub-piece (checked once per group and shard: every sub-piece of
+        the shard carries the same words)."""
+        key = (group, k, header["vouch"])
+        if key not in self._vouched:
+            if len(self._vouched) >= MAX_VOUCH_MEMO:
+                self._vouched.clear()
+            self._vouched[key] = await asyncio.to_thread(vouched, self.ctx.run, self.round, group, k,
+                                                         header["members"], header["vouch"])
+        return self._vouched[key]
 
     def _seen(self, peers: Iterable[str]) -> None:
         for p in peers:
