@@ -260,7 +260,9 @@ class P2PAverager:
                 everyone |= {r.peer_id for r in records if r.done and r.base == desk.base and r.spec == self.ctx.run}
             except Exception as e:  # (fewer companions: some of the next round's mates are newcomers to us)
                 logger.info("round %d: reading the buckets that merge into ours failed: %r", desk.round, e)
-        return tuple(sorted(everyone - set(order)))[:MAX_COMPANIONS]
+        # (a record whose peer did not answer our ping was in no group: it earns nothing; before, an
+        # identity whose ready record sat on the board through one round was established for everyone)
+        return tuple(sorted(everyone - set(order) - mm.silent))[:MAX_COMPANIONS]
 
     def _out(self, mm: Matchmaking, group: tuple[str, ...]) -> None:
         """Our round failed: we say so on the board (our ready record again, ``out``, with the group

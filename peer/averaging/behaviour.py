@@ -47,6 +47,10 @@ class Behaviour:
         """Our verdict as sent to ``recipient``."""
         return ok
 
+    def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
+        """The mean of sub-piece (``shard``, ``sub``) we averaged across groups as a designee, as we send it."""
+        return mean
+
     def served_piece(self, round_: int, index: int, body: bytes) -> bytes:
         """Piece ``index`` of our state of round ``round_`` as we serve it to a peer that syncs."""
         return body

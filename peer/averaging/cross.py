@@ -655,6 +655,9 @@ class Desk:
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
             body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
+            if body:
+                body = self.ctx.behaviour.mean_for(self.round, k, j, body, self._sub_numel(k, j),
+                                                   self.ctx.codec.for_results(enc))
             if tier == 0 and self.level > 0:
                 mean = await self._up(k, j, unit, body, weight, groups, enc)
                 if mean is None:
@@ -699,16 +702,24 @@ class Desk:
     def _weighed(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
         """The groups' entries with the weight we count: at most the members that vouched for the group
         and that we saw ready on our board, each in one group only (a member that vouched for two
-        groups of the round counts in neither)."""
+        groups of the round counts in neither), and none we never completed a round with (the
+        reducers' Sybil brake, reduce.py ``probation_claims``, one stage up), unless such newcomers
+        are half the members counted or more (the brake would then hand the round to a few)."""
         times = Counter(m for e in entries for m in e.vouched)
         twice = {m for m, n in times.items() if n > 1}
+        counted = {e.group: (e.vouched - twice) & self.on_board for e in entries}
+        everyone = set().union(*counted.values())
+        newcomers = {m for m in everyone if m != self.ctx.me and self.ctx.trust.on_probation(m, self.round)}
+        if 2 * len(newcomers) >= len(everyone):
+            newcomers = set()
         out = []
         for e in entries:
-            counted = len((e.vouched - twice) & self.on_board)
-            if counted < e.weight:
-                logger.info("round %d: group %s claims weight %d in sub-piece (%d, %d); %d of its members vouched "
-                            "and are on our board", self.round, e.group[:12], e.weight, k, j, counted)
-                e = dataclasses.replace(e, weight=counted)
+            weight = len(counted[e.group] - newcomers)
+            if weight < e.weight:
+                logger.info("round %d: group %s claims weight %d in sub-piece (%d, %d); %d of its members vouched, "
+                            "are on our board and are no newcomers to us", self.round, e.group[:12], e.weight, k, j,
+                            weight)
+                e = dataclasses.replace(e, weight=weight)
             out.append(e)
         return out
 
@@ -754,6 +765,12 @@ class Desk:
                 logger.info("round %d: top designee %s of sub-piece (%d, %d): %r", self.round, designee, k, j, e)
         logger.warning("round %d: no top designee averaged sub-piece (%d, %d) of our bucket", self.round, k, j)
         return None
+
+    def _sub_numel(self, k: int, j: int) -> int:
+        assert self.plan is not None
+        start, end = shard_bounds(self.ctx.numel, self.plan.units)[k]
+        a, b = self.plan.sub_bounds(start, end)[j]
+        return b - a
 
     def _mean(self, k: int, j: int, entries: list[_Entry]) -> tuple[bytes, int, int, int]:
         """The weighted mean of the groups' (buckets') sub-pieces, in label order, encoded once

@@ -467,6 +467,31 @@ def candidates_evidence(result: Result, what: str) -> str | None:
             f"{most[3]} attackers on its board)")
 
 
+async def ready_ahead(swarm: Swarm, attackers: list[SimPeer], ttl: float, poll: float = 1.0) -> None:
+    """Publishes each attacker's ready record for every round at the honest base as soon as the
+    heartbeats show that base (seconds after the previous round; honest peers first train): the
+    round's earliest records. A ``ttl`` past the peers' own keeps them over a running attacker's own."""
+    spec_hash = run_hash(swarm)
+    published: set[tuple[int, str]] = set()
+    while True:
+        r, bases = -1, {ZERO}
+        for hb in await heartbeats(swarm, attackers[0]):  # the honest peers' latest states: the next base
+            if hb["peer_id"] not in {p.id for p in attackers}:
+                if hb["round"] > r:  # (a heartbeat's round is the round its state is the base of)
+                    r, bases = hb["round"], {hb["state_hash"]}
+                elif hb["round"] == r:
+                    bases.add(hb["state_hash"])
+        for round_ in (r, r + 1) if r >= 0 else ():
+            for base in sorted(bases) if round_ == r else [ZERO]:
+                if (round_, base) in published:
+                    continue
+                published.add((round_, base))
+                for peer in attackers:
+                    ready = Ready(peer.id, round_, base, spec_hash, round_ == r, clock.wall(), False)
+                    await swarm.dht.store(client(swarm, peer), sign(peer.identity, swarm.run_key, ready, ttl))
+        await asyncio.sleep(poll)
+
+
 class ReadyFlood(Attack):
     name = "ready_flood"
     about = ("N5b: self-signed ready records for every round at the honest base, from identities that "
@@ -475,25 +500,7 @@ class ReadyFlood(Attack):
 
     async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
         await stall_on(swarm, attackers)
-        spec_hash = run_hash(swarm)
-        published: set[tuple[int, str]] = set()
-        while True:
-            r, bases = -1, {ZERO}
-            for hb in await heartbeats(swarm, attackers[0]):  # the honest peers' latest states: the next base
-                if hb["peer_id"] not in {p.id for p in attackers}:
-                    if hb["round"] > r:  # (a heartbeat's round is the round its state is the base of)
-                        r, bases = hb["round"], {hb["state_hash"]}
-                    elif hb["round"] == r:
-                        bases.add(hb["state_hash"])
-            for round_ in (r, r + 1) if r >= 0 else ():
-                for base in sorted(bases) if round_ == r else [ZERO]:
-                    if (round_, base) in published:
-                        continue
-                    published.add((round_, base))
-                    for peer in attackers:
-                        ready = Ready(peer.id, round_, base, spec_hash, round_ == r, clock.wall(), False)
-                        await swarm.dht.store(client(swarm, peer), sign(peer.identity, swarm.run_key, ready, 60.0))
-            await asyncio.sleep(1.0)
+        await ready_ahead(swarm, attackers, 60.0)
 
     def happened(self, result: Result) -> str | None:
         return candidates_evidence(result, "ready flood")
@@ -835,12 +842,63 @@ class InflatedGroup(Attack):
                 f"{max(len(e.vouched) for _, _, e in held)} members vouched at most)")
 
 
+class ShiftedMean(Behaviour):
+    """A designee that sends every sub-piece's mean times -1000 (a mean it signs as its own)."""
+
+    def __init__(self) -> None:
+        self.lied = 0
+
+    def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
+        self.lied += 1
+        return bytes(codec.encode(codec.decode(mean, numel) * -1000.0))
+
+
+class EarlyReady(Attack):
+    name = "early_ready"
+    about = ("running attacker peers publish their ready records as soon as a round's base is known (they "
+             "need not train first): the round's earliest records, from which the designees, the cutoff and "
+             "whom the designees wait for are derived; otherwise honest")
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        await ready_ahead(swarm, attackers, 300.0, poll=0.25)
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        first = [(i, r) for i, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                 if desk.plan is not None and desk.plan.designees and set(desk.plan.designees) <= bad]
+        return f"{len(first)} honest peer-rounds whose designees were all attackers" if first else None
+
+
+class LyingDesignee(Attack):
+    name = "lying_designee"
+    about = ("the attackers publish their ready records as soon as a round's base is known (the round's "
+             "earliest: its designees), then sign and send back every sub-piece's mean times -1000")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return ShiftedMean()
+
+    async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
+        await ready_ahead(swarm, attackers, 300.0, poll=0.25)  # the round's earliest records: its designees
+
+    def happened(self, result: Result) -> str | None:
+        honest = {p.id for p in result.honest()}
+        told = [(r, u) for p in result.peers if not p.honest for inc in p.incarnations
+                for r, desk in inc.averager.desks.items() for u in desk.work.values()
+                if u.out is not None and any(e.holder in honest for e in u.entries.values())]
+        early = EarlyReady().happened(result)
+        if not told and not early:
+            return None
+        return (f"{len(told)} shifted means sent to honest reducers in rounds {sorted({r for r, _ in told})}; "
+                f"{early or 'no honest peer-round whose designees were all attackers'}")
+
+
 LIBRARY: dict[str, Attack] = {a.name: a for a in (
     Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
     DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
-    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup())}
+    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup(), EarlyReady(), LyingDesignee())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
 # the attacks the search's small and large families draw from (peer/sim/search.py): fixed, so that a
 # documented seed keeps its schedule when the library grows; later attacks are drawn by later families
 FIRST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:16]
-SLOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:17]  # (the slow family's; the whole library from ANY_SEEDS on)
+SLOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:17]  # (the slow family's)
+ANY_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:18]  # (the ANY family's; the whole library from LATEST_SEEDS on)

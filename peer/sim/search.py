@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hivetrain.peer.sim.attacks import FIRST_ATTACKS, LIBRARY, SLOW_ATTACKS
+from hivetrain.peer.sim.attacks import ANY_ATTACKS, FIRST_ATTACKS, LIBRARY, SLOW_ATTACKS
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
 from hivetrain.peer.sim.swarm import Event, Probe, Result, Scenario, simulate
 
@@ -65,7 +65,8 @@ class Violation:
 
 LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
 RELAY_SEEDS = 2_000_000  # ... and from here the slow family: a third of the peers on slow links
-ANY_SEEDS = 3_000_000  # ... and from here the small family's runs with any attack of the library
+ANY_SEEDS = 3_000_000  # ... and from here the small family's runs with any of the library's first 18 attacks
+LATEST_SEEDS = 4_000_000  # ... and from here with any attack of the library as it is now
 
 
 def schedule(seed: int) -> Scenario:
@@ -74,9 +75,13 @@ def schedule(seed: int) -> Scenario:
     records and heartbeats spread over buckets and many groups meet in the cross-group stage (the
     small family never exercises either); seeds below keep the schedules documented before it.
     From ``RELAY_SEEDS`` on, the slow family (``_slow``); from ``ANY_SEEDS`` on, the small family's
-    runs drawing from the whole library (attacks added after the first 16 are drawn there)."""
+    runs drawing from the library's first 18 attacks (``ANY_ATTACKS``), and from ``LATEST_SEEDS`` on
+    from the whole library: every family's list is frozen, so that a documented seed keeps its
+    schedule when the library grows; a new attack is drawn from LATEST_SEEDS on."""
+    if seed >= LATEST_SEEDS:
+        return _small(seed, random.Random(f"search-latest/{seed}"), tuple(LIBRARY))
     if seed >= ANY_SEEDS:
-        return _small(seed, random.Random(f"search-any/{seed}"), tuple(LIBRARY))
+        return _small(seed, random.Random(f"search-any/{seed}"), ANY_ATTACKS)
     if seed >= RELAY_SEEDS:
         return _slow(seed)
     if seed >= LARGE_SEEDS:

@@ -380,3 +380,19 @@ def test_a_made_up_group_naming_every_ready_peer_weighs_only_its_vouched_members
     assert evidence and "claiming weight 8" in evidence and "2 members vouched at most" in evidence, evidence
     violations, measured = check(result)
     assert violations == [] and measured["I2_states_per_round"] == 1
+
+
+def test_a_ready_record_alone_earns_no_trust_and_a_designee_weighs_no_newcomer() -> None:
+    """Search seed 3,000,131 (12 peers, 3 attackers on 2 /24s, bias + inflated_group): the attackers'
+    ready records sat on every board through round 0, never answering a ping, and every honest peer
+    recorded trust for them as companions of the cross stage; from then on their made-up group
+    weighed 2 at the designees, as much as an honest pair, and one honest state of round 3 applied a
+    mean 781 x the largest honest deviation. Companions are now the peers that answered our pings,
+    and a designee counts no member it never completed a round with (while they are a minority)."""
+    result = simulate(schedule(3_000_131))
+    assert LIBRARY["inflated_group"].happened(result)  # the made-up groups reached honest designees
+    violations, _ = check(result)
+    assert violations == []
+    bad = attacker_ids(result)
+    for index, inc in incarnations(result):
+        assert not bad & set(inc.averager.ctx.trust.trusted(4)), index

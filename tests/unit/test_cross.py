@@ -26,6 +26,7 @@ from hivetrain.peer.averaging.cross import (
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
+from hivetrain.peer.trust import Trust
 
 RUN, BASE, OTHER = "a" * 64, "b" * 64, "c" * 64
 
@@ -108,7 +109,7 @@ def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_
     """An attester's word (no body) usually arrives before its reducer's upload: held, not refused
     (refused, the attester asked again after pauses of up to 0.3 s; bench.swarm --slow-member)."""
     spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me="p1", codec=spec.codec(), bans=set())
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me="p1", codec=spec.codec(), bans=set(), trust=Trust())
     d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
     d.plan = derive([ready("p1", clock.wall())], 3, BASE, RUN, units_=8, numel=1 << 16)
     group, members = "g" * 64, ["r", "a", "m"]
@@ -217,13 +218,13 @@ def test_a_top_designee_takes_a_buckets_mean_only_from_that_buckets_designee_and
     top = top_bucket(3, BASE, level)
     spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
     tops = [i.peer_id for i in idents if bucket_of(3, i.peer_id, level) == top]
-    probe = Desk(SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=tops[0], codec=spec.codec(), bans=set()),  # type: ignore[arg-type]
+    probe = Desk(SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=tops[0], codec=spec.codec(), bans=set(), trust=Trust()),  # type: ignore[arg-type]
                  board, 3, BASE, lambda h, b: None, lambda: None, level)
     asyncio.run(probe.get_plan())
     assert probe.plan is not None
     k, j = 0, 0
     me = probe.plan.ranked(k, j)[0]  # the top designee of sub-piece (0, 0)
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=me, codec=spec.codec(), bans=set())
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=me, codec=spec.codec(), bans=set(), trust=Trust())
     d = Desk(ctx, board, 3, BASE, lambda h, b: None, lambda: None, level)  # type: ignore[arg-type]
     other = next(b for b in range(1 << level) if b != top and any(bucket_of(3, i.peer_id, level) == b for i in idents))
     peers = [i.peer_id for i in idents if bucket_of(3, i.peer_id, level) == other]
@@ -273,7 +274,7 @@ def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_
     sybils = [Identity.generate() for _ in range(2)]
     fresh = [Identity.generate() for _ in range(3)]  # keys nobody saw on the board
     spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4, aggregation="robust")
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=honest[0].peer_id, codec=spec.codec(), bans=set())
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=honest[0].peer_id, codec=spec.codec(), bans=set(), trust=Trust())
     d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
     board = [i.peer_id for i in honest + sybils]
     d.plan = derive([ready(p, clock.wall()) for p in board], 3, BASE, RUN, units_=8, numel=1 << 16)
@@ -320,6 +321,12 @@ def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_
             assert (await d.accept(sybils[0].peer_id, h, body))[0] == Code.OK
             weighed = {e.group: e.weight for e in d._weighed(0, 0, list(unit.entries.values()))}
             assert weighed["1" * 64] == 3 and weighed["2" * 64] == 1 and weighed["4" * 64] == 0
+            # once we completed a round (with the honest peers), a member we never completed one with
+            # weighs nothing (the reducers' Sybil brake, one stage up): the sybil on the board is a newcomer
+            ctx.trust.record_completed(2, [i.peer_id for i in honest], ctx.me)
+            weighed = {e.group: e.weight for e in d._weighed(0, 0, list(unit.entries.values()))}
+            mine = int(ctx.me == sybils[1].peer_id)  # (the designee is drawn from random keys: never our own newcomer)
+            assert weighed["1" * 64] == 3 and weighed["2" * 64] == mine and weighed["4" * 64] == 0
         finally:
             d.stop()
 
