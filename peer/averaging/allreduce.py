@@ -46,6 +46,7 @@ from hivetrain.peer.averaging.cross import (
     DESIGNEE_MARGIN,
     LONG_WAIT,
     VOID,
+    WORD_WAIT,
     Desk,
     cross_codec,
     fallen_back,
@@ -286,7 +287,8 @@ class AllReduceRunner:
         skip: set[str] = set()
         # (as long as a designee may wait; with buckets, its bucket's mean waits again at the top)
         tiers = 2 if self.desk is not None and self.desk.level > 0 else 1
-        patience = tiers * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
+        patience = WORD_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN + \
+            (tiers - 1) * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
         try:
             while True:
                 taker = await self._to_designee(k, j, header, body, skip)
@@ -321,60 +323,70 @@ class AllReduceRunner:
                                for j, body in enumerate(bodies)))
 
     async def _vouch_one(self, k: int, j: int, header: dict[str, Any]) -> None:
-        """Our word on sub-piece (k, j), until a designee takes it or its mean is here. A designee
-        that has not received the reducer's sub-piece yet holds our word for it (cross.py
-        ``MAX_EARLY_WORDS``); past that bound it answers NOT_READY, and the reducer may have
-        given it to another (one it could reach and we cannot, or the next after a silent one):
-        asked again until the deadline, such a designee held our round open until then, the mean
-        long arrived (seen in bench.utilization and in the simulator). Once the mean is here the
-        word is moot: the designee computed it."""
+        """Our word on sub-piece (k, j), to every designee of it at once, until each took it or the
+        mean is here. The reducer gives the sub-piece to the first designee that takes it, and we
+        cannot know which: a word sent to the first designee that took *it* went astray whenever
+        the two differ (a silent designee held our word until the deadline while the reducer's
+        sub-piece, refused there at once, went on to the next; that designee then left our group
+        out for want of a word, and a made-up group's values were its sub-piece's mean: search seed
+        3,000,690). A designee that has not received the sub-piece yet holds our word for it
+        (cross.py ``MAX_EARLY_WORDS``; past that bound it answers NOT_READY and is asked again).
+        Once the mean is here the words are moot: the designee computed it."""
         s = self.session
         if (k, j) in s.cross:
             return
-        word = asyncio.ensure_future(self._to_designee(k, j, header, b""))
+        assert self.desk is not None and self.desk.mine is not None
+        words = [asyncio.ensure_future(self._offer(d, k, j, header, b"")) for d in self.desk.mine.ranked(k, j)]
         mean = asyncio.ensure_future(s.wait_for(lambda: (k, j) in s.cross, s.deadline,
                                                 f"the mean of sub-piece ({k}, {j})"))
         try:
-            await asyncio.wait({word, mean}, return_when=asyncio.FIRST_COMPLETED)
+            pending: set[asyncio.Future[Any]] = {*words, mean}
+            while mean in pending and pending - {mean}:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (word, mean):
+            for task in (*words, mean):
                 task.cancel()
-            await asyncio.gather(word, mean, return_exceptions=True)
-        error = word.exception() if word.done() and not word.cancelled() else None
-        if isinstance(error, RoundFailed):  # its reducer's sub-piece may never have reached them: the means say
-            logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, error)
-        elif error is not None:
-            raise error
+            await asyncio.gather(*words, mean, return_exceptions=True)
+        for word in words:
+            error = word.exception() if word.done() and not word.cancelled() else None
+            if isinstance(error, RoundFailed):  # its reducer's sub-piece may never have reached them: the means say
+                logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, error)
+            elif error is not None:
+                raise error
 
     async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes,
                            skip: set[str] | frozenset[str] = frozenset()) -> str:
-        """Sends one sub-piece (or our word on it) to the first of its designees that takes it;
-        returns which did."""
-        s, ctx = self.session, self.ctx
-        assert s.plan is not None and self.desk is not None and self.desk.mine is not None
+        """Sends one sub-piece to the first of its designees that takes it; returns which did."""
         why = "every designee was tried"
+        assert self.desk is not None and self.desk.mine is not None
         for designee in self.desk.mine.ranked(k, j):  # (our bucket's designees: the top's sign the means)
             if designee in skip:
                 continue
-            if designee == ctx.me:
-                pause = RETRY_PAUSE[0]
-                while True:  # as ``deliver`` does: a designee not ready yet (its sub-piece to come) is asked again
-                    code, why = await self.desk.accept(ctx.me, header, body)
-                    if code in (Code.OK, Code.DUPLICATE):
-                        return designee
-                    if code not in (Code.NOT_READY, Code.BUSY) or clock.now() + pause >= s.deadline:
-                        break
-                    await asyncio.sleep(pause)
-                    pause = min(RETRY_PAUSE[1], 2 * pause)
-                continue
             try:
-                await deliver(ctx, s.deadline, designee, header, body)
+                await self._offer(designee, k, j, header, body)
                 return designee
             except RoundFailed as e:
                 why = str(e)
-                logger.info("round %d: designee %s of sub-piece (%d, %d) did not take it: %s", s.round, designee,
-                            k, j, why)
+                logger.info("round %d: designee %s of sub-piece (%d, %d) did not take it: %s", self.session.round,
+                            designee, k, j, why)
         raise RoundFailed(reason(f"no designee took sub-piece ({k}, {j}): {why}"))
+
+    async def _offer(self, designee: str, k: int, j: int, header: dict[str, Any], body: bytes) -> None:
+        """One sub-piece (or our word on it) to one designee; RoundFailed if it does not take it."""
+        s, ctx = self.session, self.ctx
+        assert self.desk is not None
+        if designee != ctx.me:
+            await deliver(ctx, s.deadline, designee, header, body)
+            return
+        pause = RETRY_PAUSE[0]
+        while True:  # as ``deliver`` does: a designee not ready yet (its sub-piece to come) is asked again
+            code, why = await self.desk.accept(ctx.me, header, body)
+            if code in (Code.OK, Code.DUPLICATE):
+                return
+            if code not in (Code.NOT_READY, Code.BUSY) or clock.now() + pause >= s.deadline:
+                raise RoundFailed(reason(f"we did not take sub-piece ({k}, {j}): {Code(code).name} {why}"))
+            await asyncio.sleep(pause)
+            pause = min(RETRY_PAUSE[1], 2 * pause)
 
     async def _parts_delivered(self) -> None:
         """Ends when our parts are delivered; fails the round as soon as one of them cannot be."""

@@ -396,3 +396,17 @@ def test_a_ready_record_alone_earns_no_trust_and_a_designee_weighs_no_newcomer()
     bad = attacker_ids(result)
     for index, inc in incarnations(result):
         assert not bad & set(inc.averager.ctx.trust.trusted(4)), index
+
+
+def test_a_made_up_group_sent_first_does_not_decide_a_sub_piece_alone() -> None:
+    """Search seed 3,000,690 (8 peers; 2 attackers, inflated_group + oversized_bodies): the made-up
+    group reached a designee 3 s before the honest groups; the designee's wait counted from it and
+    ran out before the honest auditors' words came (one went first to a silent attacker designee,
+    the reducer's sub-piece, refused there at once, to the next), so the honest groups were left
+    out and the made-up group's values were the sub-piece's mean: 1.05e3 x the largest honest
+    deviation in every honest state. Words now go to every designee of the sub-piece, and a
+    designee waits longer for the word on a group that has arrived."""
+    result = simulate(schedule(3_000_690))
+    assert LIBRARY["inflated_group"].happened(result)
+    violations, measured = check(result)
+    assert violations == [] and measured["I2_states_per_round"] == 1
