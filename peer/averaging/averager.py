@@ -291,8 +291,14 @@ class P2PAverager:
                 desk.stop()
             desk = self.desks[round_] = Desk(self.ctx, self.board, round_, base,
                                              lambda header, body: self._local_mean(round_, header, body),
-                                             lambda: self._own_record(round_, base), level_)
+                                             lambda: self._own_record(round_, base), level_,
+                                             lambda peer: self._silent(round_, base, peer))
         return desk
+
+    def _silent(self, round_: int, base: str, peer: str) -> bool:
+        """Whether ``peer``'s ready record did not answer our ping before the round's partition."""
+        mm = self.matchmaking.get(round_)
+        return mm is not None and mm.view.base == base and peer in mm.silent
 
     def _own_record(self, round_: int, base: str) -> Ready | None:
         mm = self.matchmaking.get(round_)

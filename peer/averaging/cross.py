@@ -353,8 +353,10 @@ class Desk:
     the signature against the top bucket's designees, so two buckets are all a member reads."""
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str,
-                 local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0):
+                 local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0,
+                 silent: Callable[[str], bool] = lambda peer: False):
         self.ctx, self.board, self.round, self.base = ctx, board, round_, base
+        self.silent = silent  # a peer whose ready record did not answer our ping: in no group of ours, weighs nothing
         self.level = level  # the round's ready records are in 2^level buckets (ready.py)
         self.local = local  # delivers a mean to ourselves (we reduced that shard in our own group)
         self.own = own  # our ready record of the round (None: we are not ready for it)
@@ -715,16 +717,19 @@ class Desk:
 
     def _weighed(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
         """The groups' entries with the weight we count: at most the members that vouched for the group
-        and that we saw ready on our board, each in one group only (a member that vouched for two
+        and that we saw ready on our board (and that answered our ping, if we pinged them before our
+        partition: a record whose peer is silent is in no group), each in one group only (a member that vouched for two
         groups of the round counts in neither), and none we never completed a round with (the
-        reducers' Sybil brake, reduce.py ``probation_claims``, one stage up), unless such newcomers
-        are half the members counted or more (the brake would then hand the round to a few)."""
+        reducers' Sybil brake, reduce.py ``probation_claims``, one stage up), unless every member
+        counted is one. Unlike a reducer's, this brake holds when the newcomers are the majority: a
+        peer alone at its state (the others moved on) met two identities' made-up group of two
+        there, and the group outweighed it (search seed 3,000,827)."""
         times = Counter(m for e in entries for m in e.vouched)
         twice = {m for m, n in times.items() if n > 1}
-        counted = {e.group: (e.vouched - twice) & self.on_board for e in entries}
+        counted = {e.group: {m for m in (e.vouched - twice) & self.on_board if not self.silent(m)} for e in entries}
         everyone = set().union(*counted.values())
         newcomers = {m for m in everyone if m != self.ctx.me and self.ctx.trust.on_probation(m, self.round)}
-        if 2 * len(newcomers) >= len(everyone):
+        if newcomers == everyone:  # (nobody we completed a round with is here: nobody to vet them by)
             newcomers = set()
         out = []
         for e in entries:

@@ -410,3 +410,15 @@ def test_a_made_up_group_sent_first_does_not_decide_a_sub_piece_alone() -> None:
     assert LIBRARY["inflated_group"].happened(result)
     violations, measured = check(result)
     assert violations == [] and measured["I2_states_per_round"] == 1
+
+
+def test_a_designee_weighs_no_member_that_failed_its_ping() -> None:
+    """Search seed 3,000,354 (13 peers; 4 attackers, early_part + inflated_group, a crash): round 0
+    voided for many, so in round 1 designees had no history (nobody on probation), and at one base
+    two silent identities' made-up group weighed 2 against a lone honest peer's 1: 661 x the largest
+    honest deviation. A member whose ready record did not answer the designee's own ping (it is in
+    no group the designee derived) now weighs nothing there."""
+    result = simulate(schedule(3_000_354))
+    assert LIBRARY["inflated_group"].happened(result)
+    violations, _ = check(result)
+    assert violations == []
