@@ -376,7 +376,9 @@ class Trainer:
         began = self.parts.began
         if began is not None:
             if (r, base) in self._began_before:  # we crashed inside this round's averaging and restarted
-                self._began_before.discard((r, base))
+                # (kept: fork choice can bring us back to this very state while the others still end the
+                # round, and a joiner's count of prefixes did, seconds later: we began it again, and every
+                # reducer that held our first parts banned us for two different ones; search seed 3,000,982)
                 # the group we were in may still be ending the round (at its deadline, without our
                 # results): fork choice waits for the peers we trust to say how it ended, so that we
                 # start the next round with them rather than alone and ahead of them

@@ -422,3 +422,16 @@ def test_a_designee_weighs_no_member_that_failed_its_ping() -> None:
     assert LIBRARY["inflated_group"].happened(result)
     violations, _ = check(result)
     assert violations == []
+
+
+def test_a_restarted_peer_never_begins_again_a_round_it_began_before_its_crash() -> None:
+    """Search seed 3,000,982 (11 peers, 2 attackers, oversized_bodies; peer 7 crashes at 7.9 s inside
+    round 0 and is back at 20.4 s): it voided round 0 as its note says, then fork choice (a joiner's
+    count of prefixes: the others were still in round 0) brought it back to round 0's base, the note
+    was spent, and it began round 0 again: five honest reducers that held its first parts banned it
+    for two different ones (I3). The note now holds for the life of the process."""
+    result = simulate(schedule(3_000_982))
+    violations, _ = check(result)
+    assert violations == []
+    assert [rec for i, rec in result.records if i == 7 and rec.get("event") == "round" and rec["round"] == 0
+            and "before a restart" in str(rec.get("why"))]  # the crash inside round 0 happened
