@@ -670,6 +670,17 @@ class Desk:
                     await asyncio.wait_for(self.changed.wait(), min(POLL / 2, max(0.0, ahead - clock.now())))
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
+            if tier == 0 and self.waiting and sum(e.counts() for e in entries) > 1:
+                # (one group's values go back to that group alone: its own, as when it trains alone)
+                counted = sum(e.weight for e in entries if e.counts())
+                if 2 * counted <= len(self.waiting):
+                    # a minority of the round's peers: whoever it holds decides it (three attackers alone in
+                    # groups of one and an honest pair outweighed the pair, 611x, when the round's largest
+                    # group went to a designee that then crashed: search seed 3,001,409). The sub-piece is
+                    # void for every group that sent it here: one state, and nobody's values
+                    logger.warning("round %d: the groups of sub-piece (%d, %d) that reached us weigh %d of the "
+                                   "round's %d peers: it is void", self.round, k, j, counted, len(self.waiting))
+                    entries = []
             body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
             if body:
                 body = self.ctx.behaviour.mean_for(self.round, k, j, body, self._sub_numel(k, j),

@@ -435,3 +435,14 @@ def test_a_restarted_peer_never_begins_again_a_round_it_began_before_its_crash()
     assert violations == []
     assert [rec for i, rec in result.records if i == 7 and rec.get("event") == "round" and rec["round"] == 0
             and "before a restart" in str(rec.get("why"))]  # the crash inside round 0 happened
+
+
+def test_a_designee_voids_a_sub_piece_whose_groups_are_a_minority_of_the_round() -> None:
+    """Search seed 3,001,409 (10 peers; 3 attackers, bias; the designee of the round's largest group
+    crashes): the rest of the round went to the next designee, three attackers alone in groups of
+    one and an honest pair, and the attackers' values outweighed the pair: 611 x the largest honest
+    deviation. A designee whose groups weigh no more than half the round's peers now signs the
+    sub-piece void (nobody's values; every group that sent it applies the same)."""
+    result = simulate(schedule(3_001_409))
+    violations, _ = check(result)
+    assert violations == []
