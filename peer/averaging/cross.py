@@ -670,8 +670,11 @@ class Desk:
                     await asyncio.wait_for(self.changed.wait(), min(POLL / 2, max(0.0, ahead - clock.now())))
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
-            if tier == 0 and self.waiting and sum(e.counts() for e in entries) > 1:
-                # (one group's values go back to that group alone: its own, as when it trains alone)
+            if tier == 0 and self.waiting and len(entries) > 1:
+                # (one group's values, when it alone sent them, go back to it alone: its own, as when it
+                # trains alone; a group that weighs nothing still gets the mean: search seed 3,001,993, an
+                # attacker alone in a group of one was the mean of a 9-member group whose reducer, an
+                # attacker too, its auditor had rejected: 9.2e5x)
                 counted = sum(e.weight for e in entries if e.counts())
                 if 2 * counted <= len(self.waiting):
                     # a minority of the round's peers: whoever it holds decides it (three attackers alone in

@@ -446,3 +446,14 @@ def test_a_designee_voids_a_sub_piece_whose_groups_are_a_minority_of_the_round()
     result = simulate(schedule(3_001_409))
     violations, _ = check(result)
     assert violations == []
+
+
+def test_a_group_of_one_is_never_the_mean_of_a_group_that_weighs_nothing() -> None:
+    """Search seed 3,001,993 (10 peers; 3 attackers on one /24, huge parts; a crash): in round 0 the
+    auditor rejected a shard of the 9-member group reduced by an attacker (weight 0), and at that
+    sub-piece's designee the only other group was an attacker alone: its own values, 1e6 x, were
+    the mean the 9-member group applied (9.2e5 x the largest honest deviation). Two groups sent it
+    and the counted one weighs 1 of the round's 10 peers: the sub-piece is void now."""
+    result = simulate(schedule(3_001_993))
+    violations, _ = check(result)
+    assert not [v for v in violations if "round 0" in v[1]], violations
