@@ -296,9 +296,12 @@ class P2PAverager:
         return desk
 
     def _silent(self, round_: int, base: str, peer: str) -> bool:
-        """Whether ``peer``'s ready record did not answer our ping before the round's partition."""
+        """Whether ``peer`` showed us no sign of life in the round (it did not answer our ping before
+        the partition, or its record came after it and was never pinged), unless it says it cannot be
+        dialed (outbound-only: never pinged, it stays in the partition)."""
         mm = self.matchmaking.get(round_)
-        return mm is not None and mm.view.base == base and peer in mm.silent
+        return (mm is not None and mm.view.base == base and peer != self.ctx.me and peer not in mm.alive
+                and peer not in mm.view.closed)
 
     def _own_record(self, round_: int, base: str) -> Ready | None:
         mm = self.matchmaking.get(round_)

@@ -670,20 +670,8 @@ class Desk:
                     await asyncio.wait_for(self.changed.wait(), min(POLL / 2, max(0.0, ahead - clock.now())))
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
-            if tier == 0 and self.waiting and len(entries) > 1:
-                # (one group's values, when it alone sent them, go back to it alone: its own, as when it
-                # trains alone; a group that weighs nothing still gets the mean: search seed 3,001,993, an
-                # attacker alone in a group of one was the mean of a 9-member group whose reducer, an
-                # attacker too, its auditor had rejected: 9.2e5x)
-                counted = sum(e.weight for e in entries if e.counts())
-                if 2 * counted <= len(self.waiting):
-                    # a minority of the round's peers: whoever it holds decides it (three attackers alone in
-                    # groups of one and an honest pair outweighed the pair, 611x, when the round's largest
-                    # group went to a designee that then crashed: search seed 3,001,409). The sub-piece is
-                    # void for every group that sent it here: one state, and nobody's values
-                    logger.warning("round %d: the groups of sub-piece (%d, %d) that reached us weigh %d of the "
-                                   "round's %d peers: it is void", self.round, k, j, counted, len(self.waiting))
-                    entries = []
+            if tier == 0 and len(entries) > 1 and self._minority(entries):
+                entries = []
             body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
             if body:
                 body = self.ctx.behaviour.mean_for(self.round, k, j, body, self._sub_numel(k, j),
@@ -711,6 +699,28 @@ class Desk:
             await send_all(self.ctx, self.round, deadline, sends, strict=False)
         except Exception as e:  # a background task: say what went wrong, never raise unseen
             logger.warning("round %d: the mean of sub-piece (%d, %d) failed: %r", self.round, k, j, e)
+
+    def _minority(self, entries: list[_Entry]) -> bool:
+        """Whether the groups that sent a sub-piece (more than one) may not decide it, so that we sign it
+        void (no values; every group that sent it applies the same): when they cover no more than half
+        of the round's peers we wait for (a minority's mean is whoever it holds: three attackers alone
+        in groups of one outweighed an honest pair, 611x, after the round's largest group went to a
+        designee that crashed; search seed 3,001,409), or when the only groups that weigh are groups
+        of one (unchecked values: an attacker alone was the mean of a 9-member group whose attacker
+        reducer its auditor had rejected, 9.2e5x; search seed 3,001,993). A group that sent it alone
+        gets its own values back, as when it trains alone."""
+        counted = [e for e in entries if e.counts()]
+        if counted and all(len(e.members) == 1 for e in counted):
+            why = "the only groups that weigh are groups of one"
+        elif self.waiting:
+            covered = set().union(*(e.covers(self.on_board) for e in entries)) & self.waiting
+            if 2 * len(covered) > len(self.waiting):
+                return False
+            why = f"its groups cover {len(covered)} of the round's {len(self.waiting)} peers"
+        else:
+            return False
+        logger.warning("round %d: a sub-piece's groups may not decide it (%s): it is void", self.round, why)
+        return True
 
     async def _vouched_of(self, group: str, k: int, header: dict[str, Any]) -> frozenset[str]:
         """``vouched`` for a group's sub-piece (checked once per group and shard: every sub-piece of

@@ -457,3 +457,14 @@ def test_a_group_of_one_is_never_the_mean_of_a_group_that_weighs_nothing() -> No
     result = simulate(schedule(3_001_993))
     violations, _ = check(result)
     assert not [v for v in violations if "round 0" in v[1]], violations
+
+
+def test_a_designee_weighs_no_member_it_never_saw_alive_in_the_round() -> None:
+    """Search seed 3,002,159 (7 peers; 2 attackers, inflated_group; a crash inside round 0): the
+    restarted peer, with no history, was alone at its state in round 1 and its own designee; the two
+    silent identities' ready records came after its ping, and their made-up group outweighed it:
+    661 x. A designee now counts only members that showed it a sign of life in the round (or say
+    they cannot be dialed)."""
+    result = simulate(schedule(3_002_159))
+    violations, _ = check(result)
+    assert violations == []
