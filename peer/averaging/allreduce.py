@@ -46,7 +46,6 @@ from hivetrain.peer.averaging.cross import (
     DESIGNEE_MARGIN,
     LONG_WAIT,
     VOID,
-    WORD_WAIT,
     Desk,
     cross_codec,
     fallen_back,
@@ -287,8 +286,7 @@ class AllReduceRunner:
         skip: set[str] = set()
         # (as long as a designee may wait; with buckets, its bucket's mean waits again at the top)
         tiers = 2 if self.desk is not None and self.desk.level > 0 else 1
-        patience = WORD_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN + \
-            (tiers - 1) * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
+        patience = tiers * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
         try:
             while True:
                 taker = await self._to_designee(k, j, header, body, skip)

@@ -22,8 +22,7 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    at our base by the round's *cutoff* (the earliest ready record + ``matchmaking_timeout``, the
    grace any straggler gets), less the peers whose round failed (they publish their ready record
    again with ``out`` and their group: a peer two of them name is out too). It waits at most
-   LONG_WAIT x ``allreduce_timeout`` past the first arrival (a group that died; WORD_WAIT for the
-   word on a group that arrived without it), then computes the
+   LONG_WAIT x ``allreduce_timeout`` past the first arrival (a group that died), then computes the
    weighted mean of the groups' sub-pieces in a fixed order (by group hash; with robust aggregation
    the weighted robust mean, aggregation.py: a group without an honest majority pulls it a bounded
    way) and encodes it once:
@@ -91,7 +90,6 @@ MAX_CROSS_GROUPS = 256  # group results one sub-piece takes (one per group)
 MAX_EARLY_WORDS = 2 * MAX_CROSS_GROUPS  # words held per sub-piece before their groups' sub-pieces arrive
 POLL = 0.5  # s between board reads while a designee waits for groups
 LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most its designee waits for the others
-WORD_WAIT = 0.5  # ... and for another member's word on a group that has arrived (the first arrival may be a made-up group's)
 DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before the next designee is asked
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
@@ -314,10 +312,6 @@ class _Entry:
         those alone."""
         vouched = self.vouched & frozenset(on_board)
         return self.members if 2 * len(vouched) > len(self.members) else vouched
-
-    def counts_once_attested(self) -> bool:
-        """Whether it would count with another member's word (``counts`` waits for that word)."""
-        return self.weight > 0 and bool(self.body) and self.bucket < 0 and len(self.members) > 1
 
     def counts(self) -> bool:
         """Whether its values go into the mean: a bucket's mean, a group of one, or another member
@@ -652,22 +646,14 @@ class Desk:
         others go on without it). A bucket's designee (with buckets) sends its mean up and passes
         on the signed mean that comes back; a top designee (or any at level 0) signs it."""
         patience = LONG_WAIT * self.ctx.spec.allreduce_timeout
-        longest = WORD_WAIT * self.ctx.spec.allreduce_timeout
         try:
-            # a group that died costs the others ``patience``; a group that arrived and whose word has
-            # not, up to ``longest`` (its word may be on its way: its auditor's compute is late, or it
-            # went to a silent designee first). The first arrival is anybody's to choose: two identities
-            # that sent a made-up group early made the mean leave out the honest groups whose words came
-            # after it, and the made-up group's values were the sub-piece's mean (search seed 3,000,690)
-            while unit.first + longest - clock.now() > clock.EPSILON:
-                if self._complete(tier, unit) or (clock.now() - unit.first >= patience - clock.EPSILON
-                                                  and all(e.attested is not None or not e.counts_once_attested()
-                                                          for e in unit.entries.values())):
+            while unit.first + patience - clock.now() > clock.EPSILON:
+                if self._complete(tier, unit):
                     break
                 self.changed.clear()  # (every unit's task clears it: each then looks again within POLL / 2)
-                ahead = unit.first + (patience if clock.now() < unit.first + patience else longest)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.changed.wait(), min(POLL / 2, max(0.0, ahead - clock.now())))
+                    await asyncio.wait_for(self.changed.wait(),
+                                           min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, list(unit.entries.values()))
             if tier == 0 and len(entries) > 1 and self._minority(entries):

@@ -404,8 +404,7 @@ def test_a_made_up_group_sent_first_does_not_decide_a_sub_piece_alone() -> None:
     ran out before the honest auditors' words came (one went first to a silent attacker designee,
     the reducer's sub-piece, refused there at once, to the next), so the honest groups were left
     out and the made-up group's values were the sub-piece's mean: 1.05e3 x the largest honest
-    deviation in every honest state. Words now go to every designee of the sub-piece, and a
-    designee waits longer for the word on a group that has arrived."""
+    deviation in every honest state. Words now go to every designee of the sub-piece."""
     result = simulate(schedule(3_000_690))
     assert LIBRARY["inflated_group"].happened(result)
     violations, measured = check(result)
