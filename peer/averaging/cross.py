@@ -699,7 +699,11 @@ class Desk:
         if counted and all(len(e.members) == 1 for e in counted):
             why = "the only groups that weigh are groups of one"
         elif self.waiting:
-            covered = set().union(*(e.covers(self.on_board) for e in entries)) & self.waiting
+            # (a group whose word has not come is not here yet: the designee's wait counts from the first
+            # arrival, anybody's to choose; a made-up group sent early, and honest groups whose auditors'
+            # words came after the wait, made the made-up group the mean: search seed 3,001,529, 441x)
+            heard = [e for e in entries if e.attested is not None or len(e.members) == 1 or e.weight == 0]
+            covered = set().union(*(e.covers(self.on_board) for e in heard)) & self.waiting
             if 2 * len(covered) > len(self.waiting):
                 return False
             why = f"its groups cover {len(covered)} of the round's {len(self.waiting)} peers"

@@ -467,3 +467,13 @@ def test_a_designee_weighs_no_member_it_never_saw_alive_in_the_round() -> None:
     result = simulate(schedule(3_002_159))
     violations, _ = check(result)
     assert violations == []
+
+
+def test_groups_whose_words_have_not_come_do_not_count_as_the_rounds_majority() -> None:
+    """Search seed 3,001,529 (10 peers; 3 attackers, candidate_flood + inflated_group; a crash): the
+    made-up group arrived first, the designee's wait counted from it, and the honest groups' words
+    came after the wait: the made-up group was the mean (441 x). Groups without their word are not
+    counted as heard, so such a sub-piece is the minority's and void."""
+    result = simulate(schedule(3_001_529))
+    violations, _ = check(result)
+    assert violations == []
