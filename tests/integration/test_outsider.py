@@ -166,7 +166,10 @@ def test_a_joiner_syncs_the_honest_state_while_an_outsider_holds_silent_state_st
     for sync in joiner.records("sync"):
         assert (sync["round"] - 1, sync["state_hash"]) in honest, (sync, sorted(honest))
     syncs = joiner.records("sync")
-    first = [r for r in joiner.records() if r["round"] == syncs[-1]["round"]][-1]
-    assert not first["void"] and first["group_size"] == 4, joiner.records()
+    # (on a busy machine the joiner's ready record can reach the others' boards after they derived the
+    # round's groups: it is then a group of one for that round, and in the others' group the next, as in
+    # test_churn; seen once in CI)
+    first = [r for r in joiner.records() if r["round"] in (syncs[-1]["round"], syncs[-1]["round"] + 1)]
+    assert any(not r["void"] and r["group_size"] == 4 for r in first), joiner.records()
     assert joiner.records()[-1]["state_hash"] == owner.records()[-1]["state_hash"]
     assert not set(log["identities"]) & {m for p in peers for r in p.records() for m in r["group"]}
