@@ -313,6 +313,10 @@ class _Entry:
         vouched = self.vouched & frozenset(on_board)
         return self.members if 2 * len(vouched) > len(self.members) else vouched
 
+    def heard(self) -> bool:
+        """Whether it needs no more words: another member's came, or none is needed (one member, no weight)."""
+        return self.attested is not None or len(self.members) == 1 or self.weight == 0
+
     def counts(self) -> bool:
         """Whether its values go into the mean: a bucket's mean, a group of one, or another member
         approved these bytes."""
@@ -350,7 +354,7 @@ class Desk:
                  local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0,
                  silent: Callable[[str], bool] = lambda peer: False):
         self.ctx, self.board, self.round, self.base = ctx, board, round_, base
-        self.silent = silent  # a peer whose ready record did not answer our ping: in no group of ours, weighs nothing
+        self.silent = silent  # a peer that showed us no sign of life in the round: in no group of ours, weighs nothing
         self.level = level  # the round's ready records are in 2^level buckets (ready.py)
         self.local = local  # delivers a mean to ourselves (we reduced that shard in our own group)
         self.own = own  # our ready record of the round (None: we are not ready for it)
@@ -375,11 +379,13 @@ class Desk:
         self._vouched: dict[tuple[str, int, bytes], frozenset[str]] = {}  # (group, shard, vouch) -> its vouched members
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
-        plan = self.plan
-        assert plan is not None
-        start, end = shard_bounds(self.ctx.numel, plan.units)[k]
-        a, b = plan.sub_bounds(start, end)[j]
-        return codec.encoded_nbytes(b - a)
+        return codec.encoded_nbytes(self._sub_numel(k, j))
+
+    def _sub_numel(self, k: int, j: int) -> int:
+        assert self.plan is not None
+        start, end = shard_bounds(self.ctx.numel, self.plan.units)[k]
+        a, b = self.plan.sub_bounds(start, end)[j]
+        return b - a
 
     async def get_plan(self) -> Plan:
         """The top bucket's plan (what members check the means against); ``mine`` is set with it."""
@@ -636,7 +642,7 @@ class Desk:
         if tier == 1:
             return self.waiting_buckets is not None and self.waiting_buckets <= {e.bucket for e in unit.entries.values()}
         covered = set().union(*(e.covers(self.on_board) for e in unit.entries.values()))
-        attested = all(e.attested is not None or len(e.members) == 1 or e.weight == 0 for e in unit.entries.values())
+        attested = all(e.heard() for e in unit.entries.values())
         return self.waiting is not None and self.waiting <= covered and attested
 
     async def _finish(self, tier: int, k: int, j: int, unit: _Unit) -> None:
@@ -702,8 +708,7 @@ class Desk:
             # (a group whose word has not come is not here yet: the designee's wait counts from the first
             # arrival, anybody's to choose; a made-up group sent early, and honest groups whose auditors'
             # words came after the wait, made the made-up group the mean: search seed 3,001,529, 441x)
-            heard = [e for e in entries if e.attested is not None or len(e.members) == 1 or e.weight == 0]
-            covered = set().union(*(e.covers(self.on_board) for e in heard)) & self.waiting
+            covered = set().union(*(e.covers(self.on_board) for e in entries if e.heard())) & self.waiting
             if 2 * len(covered) > len(self.waiting):
                 return False
             why = f"its groups cover {len(covered)} of the round's {len(self.waiting)} peers"
@@ -731,8 +736,8 @@ class Desk:
 
     def _weighed(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
         """The groups' entries with the weight we count: at most the members that vouched for the group
-        and that we saw ready on our board (and that answered our ping, if we pinged them before our
-        partition: a record whose peer is silent is in no group), each in one group only (a member that vouched for two
+        and that we saw ready on our board and alive in the round (``silent``: a record whose peer
+        never showed itself is in no group), each in one group only (a member that vouched for two
         groups of the round counts in neither), and none we never completed a round with (the
         reducers' Sybil brake, reduce.py ``probation_claims``, one stage up), unless every member
         counted is one. Unlike a reducer's, this brake holds when the newcomers are the majority: a
@@ -798,12 +803,6 @@ class Desk:
                 logger.info("round %d: top designee %s of sub-piece (%d, %d): %r", self.round, designee, k, j, e)
         logger.warning("round %d: no top designee averaged sub-piece (%d, %d) of our bucket", self.round, k, j)
         return None
-
-    def _sub_numel(self, k: int, j: int) -> int:
-        assert self.plan is not None
-        start, end = shard_bounds(self.ctx.numel, self.plan.units)[k]
-        a, b = self.plan.sub_bounds(start, end)[j]
-        return b - a
 
     def _mean(self, k: int, j: int, entries: list[_Entry]) -> tuple[bytes, int, int, int]:
         """The weighted mean of the groups' (buckets') sub-pieces, in label order, encoded once

@@ -845,11 +845,7 @@ class InflatedGroup(Attack):
 class ShiftedMean(Behaviour):
     """A designee that sends every sub-piece's mean times -1000 (a mean it signs as its own)."""
 
-    def __init__(self) -> None:
-        self.lied = 0
-
     def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
-        self.lied += 1
         return bytes(codec.encode(codec.decode(mean, numel) * -1000.0))
 
 
