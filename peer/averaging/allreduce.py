@@ -47,7 +47,6 @@ from hivetrain.peer.averaging.cross import (
     LONG_WAIT,
     VOID,
     Desk,
-    cross_codec,
     fallen_back,
     round_id,
     vouch,
@@ -79,7 +78,7 @@ from hivetrain.peer.averaging.statements import (
 )
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
-from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
+from hivetrain.peer.net.wire import Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
@@ -113,6 +112,7 @@ class AllReduceRunner:
         try:
             outcome = await self._run(delta)
         except RoundFailed as e:
+            self._note_refused()
             ctx.rates.observe(self.outbox.meter)
             if ctx.ef is not None:
                 ctx.ef.discard()
@@ -131,6 +131,11 @@ class AllReduceRunner:
         ctx.rates.observe(self.outbox.meter)
         return outcome
 
+    def _note_refused(self) -> None:
+        """Names in the round's metrics the designees whose means we refused (session._far)."""
+        for (k, j), signer in sorted(self.session.refused.items()):
+            self.excluded.setdefault(signer, f"its mean of sub-piece ({k}, {j}) lay too far from our values: refused")
+
     def _punish(self) -> None:
         for peer, why in self.session.culprits.items():
             self._convict(peer, why)
@@ -146,6 +151,7 @@ class AllReduceRunner:
     async def _run(self, delta: torch.Tensor) -> Outcome:
         s, ctx = self.session, self.ctx
         r = s.round
+        s.own = delta  # (what the designees' means are checked against: session.deposit_cross)
         parts = await asyncio.to_thread(self._encode, delta)
         parts = ctx.behaviour.parts(r, parts, delta, s.bounds, ctx.codec)
         for k in (*s.mine, *s.audited):
@@ -179,6 +185,7 @@ class AllReduceRunner:
             self.outbox.stop()
             raise
         averaged, applied, voids, conflict = self._gather_cross() if s.cross_on else self._gather()
+        self._note_refused()
         if s.audit:
             for peer, why in (await settle_accusations(ctx, s)).items():
                 self._convict(peer, why, first=False)  # the settled verdict replaces the accusation
@@ -222,24 +229,6 @@ class AllReduceRunner:
         vouched = [k for k in range(s.units) if s.attester(k) == self.ctx.me]
         await asyncio.gather(*(self._cross_shard(k) for k in s.mine), *(self._vouch(k) for k in vouched))
 
-    def _sub_pieces(self, k: int) -> tuple[int, int, list[bytes]]:
-        """Our group's contribution to shard ``k``'s means: (weight, enc, one body per sub-piece).
-        One sub-piece: the reducer's bytes as they are; several: its values re-encoded per piece."""
-        s, ctx = self.session, self.ctx
-        plan, shard = s.plan, s.shards[k]
-        assert plan is not None and shard.result is not None
-        approved = not s.audit or (shard.verdict is not None and shard.verdict.ok)
-        weight = s.n - len(set(shard.excluded) | set(shard.claims)) if approved else 0
-        if weight <= 0:
-            return 0, MAX_GROUP, [b""] * plan.subs
-        if plan.subs == 1:
-            return weight, s.n, [shard.result]
-        start, end = s.bounds[k]
-        values = s.result_codec.decode(shard.result, end - start)  # (end - start,) fp32
-        codec = cross_codec(ctx.codec)
-        return weight, MAX_GROUP, [codec.encode(values[a - start:b - start].contiguous())
-                                   for a, b in plan.sub_bounds(start, end)]
-
     def _cross_header(self, k: int, j: int, weight: int, enc: int, body: bytes, attest: bool, ok: bool) -> dict[str, Any]:
         result = hashlib.sha256(body).hexdigest() if body else VOID
         assert self.desk is not None
@@ -264,7 +253,7 @@ class AllReduceRunner:
         shard = s.shards[k]
         await s.wait_for(lambda: shard.result is not None and (not s.audit or shard.verdict is not None),
                          s.deadline, f"the audit of shard {k}")
-        weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
+        weight, enc, bodies = await asyncio.to_thread(s.sub_pieces, k)
         await asyncio.gather(*(self._sub_piece(k, j, weight, enc, body) for j, body in enumerate(bodies)))
         await s.wait_for(lambda: all((k, j) in s.cross for j in range(plan.subs)), s.deadline,
                          f"the cross-group means of shard {k}")
@@ -290,16 +279,23 @@ class AllReduceRunner:
         try:
             while True:
                 taker = await self._to_designee(k, j, header, body, skip)
+                s.refused.pop((k, j), None)
                 try:
-                    await s.wait_for(lambda: (k, j) in s.cross, min(s.deadline, clock.now() + patience),
-                                     f"the mean of sub-piece ({k}, {j})")
-                    return
+                    await s.wait_for(lambda: (k, j) in s.cross or (k, j) in s.refused,
+                                     min(s.deadline, clock.now() + patience), f"the mean of sub-piece ({k}, {j})")
                 except RoundFailed:
                     if clock.now() >= s.deadline or taker == ctx.me:
                         raise
                     logger.warning("round %d: designee %s took sub-piece (%d, %d) and sent no mean in %.0f s; "
                                    "asking the next", s.round, taker, k, j, patience)
                     skip.add(taker)
+                    continue
+                if (k, j) in s.cross:
+                    return
+                # its mean lies further from our values than honest groups' can (session._far): the next
+                logger.warning("round %d: refused the mean of sub-piece (%d, %d) that %s took; asking the next",
+                               s.round, k, j, taker)
+                skip.add(taker)
         except RoundFailed as e:
             if (k, j) in s.cross:
                 return
@@ -315,7 +311,7 @@ class AllReduceRunner:
         shard = s.shards[k]
         await s.wait_for(lambda: shard.result is not None and (not s.audit or shard.verdict is not None),
                          s.deadline, f"the result of shard {k}")
-        weight, enc, bodies = await asyncio.to_thread(self._sub_pieces, k)
+        weight, enc, bodies = await asyncio.to_thread(s.sub_pieces, k)
         ok = weight > 0
         await asyncio.gather(*(self._vouch_one(k, j, self._cross_header(k, j, weight, enc, body, True, ok))
                                for j, body in enumerate(bodies)))

@@ -44,7 +44,10 @@ back; the bucket's designee passes it on to its reducers (step 3: members check 
 signature). A bucket whose mean comes after the top's was computed (its designee was replaced)
 gets the top's mean without its values: one state, its work lost for that sub-piece.
 
-Known limits (SECURITY.md): the designee's mean is not audited yet, a group's bytes are its
+Every reducer and member bounds a designee's mean before applying it (``off``, ``MEAN_BOUND``):
+one past the bound is refused (the reducer asks the next designee, a member voids).
+
+Known limits (SECURITY.md): the designee's mean is bounded, not audited, a group's bytes are its
 reducer's (checked by one other member), and an attacker that stores a backdated ready record late can
 make honest peers derive different designees (their rounds then fork; fork choice resolves it).
 """
@@ -91,6 +94,7 @@ MAX_EARLY_WORDS = 2 * MAX_CROSS_GROUPS  # words held per sub-piece before their 
 POLL = 0.5  # s between board reads while a designee waits for groups
 LONG_WAIT = 0.25  # x allreduce_timeout past a sub-piece's first group: the most its designee waits for the others
 DESIGNEE_MARGIN = 3.0  # s past a designee's own wait for groups before the next designee is asked
+MEAN_BOUND = 2.0  # ``off``: a mean further than this from our own pseudo-gradient is refused (see there)
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
 MAX_VOUCH_MEMO = 4096  # (group, shard, vouch) whose checked members a desk keeps
@@ -121,6 +125,29 @@ def vouched(run: str, round_: int, group: str, k: int, members: Sequence[str], b
         if any(word) and valid(m, word[16:], part_message(where, word[:16].hex())):
             out.add(m)
     return frozenset(out)
+
+
+def off(mean: torch.Tensor, own: torch.Tensor, group: torch.Tensor | None = None) -> float:
+    """How far a designee's mean of a sub-piece lies from our own pseudo-gradient there, in norms:
+    ||mean - own|| / max(||own||, ||group||), ``group`` being our group's audited values of it
+    (when we have them; a zero pseudo-gradient of ours is then not a zero scale). NaN is inf.
+
+    A designee's mean is not audited (nobody else holds every group's sub-piece), so every reducer
+    and member bounds it before applying it: an average of honest groups lies within about one
+    scale of any honest member's own values (its noise and the mean's; measured in the simulator's
+    and real runs, docs/BENCHMARKS.md), and the weighted robust mean clips every group to the median
+    norm. A mean past MEAN_BOUND is refused: the reducer asks the sub-piece's next designee (and
+    at last applies its group's own values), a member voids. What a lying designee can still do is
+    bounded: a shift of at most MEAN_BOUND norms (SECURITY.md)."""
+    scale = float(torch.linalg.vector_norm(own))
+    if group is not None:
+        scale = max(scale, float(torch.linalg.vector_norm(group)))
+    dist = float(torch.linalg.vector_norm(mean - own))
+    if not math.isfinite(dist):
+        return math.inf
+    if scale == 0.0:
+        return 0.0 if dist == 0.0 else math.inf
+    return dist / scale
 
 
 def units(numel: int, target: int, piece_values: int) -> int:

@@ -31,22 +31,28 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hivetrain.dht import clock
+from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
 from hivetrain.peer.averaging.api import group_hash, pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.cross import (
     MAX_SUBS,
+    MEAN_BOUND,
     MIN_SUB_VALUES,
     VOID,
     Plan,
     checked,
     cross_codec,
     designated,
+    off,
 )
 from hivetrain.peer.averaging.reduce import digest
 from hivetrain.peer.averaging.statements import (
@@ -60,8 +66,9 @@ from hivetrain.peer.averaging.statements import (
     verdict_message,
 )
 from hivetrain.peer.errors import RoundFailed
-from hivetrain.peer.net.wire import Code
+from hivetrain.peer.net.wire import MAX_GROUP, Code
 
+logger = logging.getLogger(__name__)
 Refusal = tuple[Code, str]
 
 
@@ -154,6 +161,11 @@ class RoundSession:
         # (shard, sub) -> (forwarder, header): a mean that is our group's own result, forwarded without its
         # bytes before the result itself reached us (it overtakes the megabyte): taken when the result comes
         self.early_cross: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
+        self.own: torch.Tensor | None = None  # (numel,) fp32: our pseudo-gradient, what a mean is checked against
+        self.refused: dict[tuple[int, int], str] = {}  # (shard, sub) -> the signer of a mean we refused (``_far``)
+        self.void = ""  # why our round is void already (a mean our reducer passed on and we refused)
+        self._subs: dict[int, tuple[int, int, list[bytes]]] = {}  # shard -> our group's sub-pieces (``sub_pieces``)
+        self._values: dict[int, torch.Tensor] = {}  # shard -> our group's approved values of it, decoded
         self.slots = rates.deal(self.reducers, rates.weights(self.reducers, self.claims), self.units)
         self.bounds = shard_bounds(numel, self.units)
         self.index = order.index(me)
@@ -276,9 +288,88 @@ class RoundSession:
             if sender != header["signer"] and sender in self.order and designated(header, self.plan, self.reducer(k)):
                 return self._convict(sender, Code.MALFORMED, f"forwarded a mean that is not a designee's: {why}")
             return Code.MALFORMED, why
+        if header["signer"] == self.reducer(k) and header["signer"] not in self.plan.ranked(k, header["sub"]):
+            # our reducer's own values, signed by it (``fallen_back``): they must be exactly the sub-piece
+            # of the result our auditor checked, not whatever it chose to sign
+            if self.shards[k].result is None or (self.audit and self.shards[k].verdict is None):
+                return Code.NOT_READY, f"the result of shard {k} and its verdict have not reached us"
+            if header["result"] != self._own_sub_hash(k, header["sub"]):
+                why = (f"our reducer {header['signer']} signed as our group's own values of sub-piece "
+                       f"({k}, {header['sub']}) bytes that are not")
+                self.void = self.void or why  # (not a ban: our re-encoding of its values is what we compare)
+                self.arrived.set()
+                return Code.MALFORMED, why
+        elif header["result"] != VOID and self.own is not None:
+            far = self._far(k, header, body)
+            if far:
+                self.refused[(k, header["sub"])] = header["signer"]
+                if sender == self.reducer(k) and sender != self.me:
+                    self.void = self.void or far  # our reducer took it: our group applies it, we cannot
+                self.arrived.set()
+                logger.warning("round %d: %s", self.round, far)
+                return Code.MALFORMED, far
         self.cross.setdefault((header["shard"], header["sub"]), (header, body))
         self.arrived.set()
         return Code.OK, ""
+
+    def sub_pieces(self, k: int) -> tuple[int, int, list[bytes]]:
+        """Our group's contribution to shard ``k``'s means: (weight, enc, one body per sub-piece), from
+        the result our auditor checked (weight 0 and no values if it rejected it). One sub-piece: the
+        reducer's bytes as they are; several: its values re-encoded per sub-piece. What our reducer
+        sends the designees, and all that it may sign as our own values (``fallen_back``)."""
+        if k in self._subs:
+            return self._subs[k]
+        plan, shard = self.plan, self.shards[k]
+        assert plan is not None and shard.result is not None
+        approved = not self.audit or (shard.verdict is not None and shard.verdict.ok)
+        weight = self.n - len(set(shard.excluded) | set(shard.claims)) if approved else 0
+        if weight <= 0:
+            out: tuple[int, int, list[bytes]] = (0, MAX_GROUP, [b""] * plan.subs)
+        elif plan.subs == 1:
+            out = (weight, self.n, [shard.result])
+        else:
+            start, end = self.bounds[k]
+            values = self.result_codec.decode(shard.result, end - start)  # (end - start,) fp32
+            codec = cross_codec(self.codec)
+            out = (weight, MAX_GROUP, [codec.encode(values[a - start:b - start].contiguous())
+                                       for a, b in plan.sub_bounds(start, end)])
+        self._subs[k] = out
+        return out
+
+    def _own_sub_hash(self, k: int, j: int) -> str:
+        try:
+            body = self.sub_pieces(k)[2][j]
+        except CodecError:
+            return ""
+        return hashlib.sha256(body).hexdigest() if body else VOID
+
+    def _far(self, k: int, header: dict[str, Any], body: bytes) -> str:
+        """Why a designee's mean of sub-piece (k, j) is not one we apply ("" if it is): it lies
+        further from our own pseudo-gradient than an average of honest groups can (cross.py ``off``).
+        A designee's mean is not audited; this bounds what a lying one can do to us."""
+        assert self.plan is not None and self.own is not None
+        j = header["sub"]
+        start, end = self.bounds[k]
+        a, b = self.plan.sub_bounds(start, end)[j]
+        try:
+            mean = self.codec.for_results(header["enc"]).decode(body, b - a)
+        except CodecError as e:
+            return f"the mean of sub-piece ({k}, {j}) signed by {header['signer']} is malformed: {e}"
+        shard = self.shards[k]
+        group = None
+        if shard.result is not None and (not self.audit or (shard.verdict is not None and shard.verdict.ok)):
+            if k not in self._values:
+                try:
+                    self._values[k] = self.result_codec.decode(shard.result, end - start)
+                except CodecError:
+                    self._values[k] = torch.zeros(0)
+            if self._values[k].numel() == end - start:
+                group = self._values[k][a - start:b - start]
+        ratio = off(mean, self.own[a:b], group)
+        if ratio <= MEAN_BOUND:
+            return ""
+        return (f"the mean of sub-piece ({k}, {j}) signed by {header['signer']} lies {ratio:.3g} x our values' "
+                f"norm from our own pseudo-gradient (at most {MEAN_BOUND} from an average of honest groups): refused")
 
     def _admit_part(self, sender: str, header: dict[str, Any], body_len: int) -> Refusal | None:
         k = header["shard"]
@@ -469,6 +560,8 @@ class RoundSession:
     async def wait_for(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
         """Waits until ``ready()`` (re-checked whenever a message arrives); RoundFailed past ``deadline``."""
         while not ready():
+            if self.void:
+                raise RoundFailed(self.void, dict(self.culprits))
             remaining = deadline - clock.now()
             if remaining <= clock.EPSILON:
                 raise RoundFailed(f"deadline passed waiting for the {what}", dict(self.culprits))

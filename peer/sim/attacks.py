@@ -843,10 +843,13 @@ class InflatedGroup(Attack):
 
 
 class ShiftedMean(Behaviour):
-    """A designee that sends every sub-piece's mean times -1000 (a mean it signs as its own)."""
+    """A designee that sends every sub-piece's mean times ``factor`` (a mean it signs as its own)."""
+
+    def __init__(self, factor: float = -1000.0):
+        self.factor = factor
 
     def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
-        return bytes(codec.encode(codec.decode(mean, numel) * -1000.0))
+        return bytes(codec.encode(codec.decode(mean, numel) * self.factor))
 
 
 class EarlyReady(Attack):
@@ -884,14 +887,28 @@ class LyingDesignee(Attack):
         early = EarlyReady().happened(result)
         if not told and not early:
             return None
+        bad = attacker_ids(result)
+        refused = [(i, rec["round"]) for i, rec in honest_rounds(result)
+                   if any(p in bad and "too far" in str(why) for p, why in dict(rec.get("excluded") or {}).items())]
         return (f"{len(told)} shifted means sent to honest reducers in rounds {sorted({r for r, _ in told})}; "
-                f"{early or 'no honest peer-round whose designees were all attackers'}")
+                f"{early or 'no honest peer-round whose designees were all attackers'}; "
+                f"{len(refused)} honest peer-rounds refused an attacker's mean")
+
+
+class FlippingDesignee(LyingDesignee):
+    name = "flipping_designee"
+    about = ("as lying_designee, but the mean it signs is the true one times -1: the update reversed, within "
+             "the bound a reducer and a member check a mean against (cross.py MEAN_BOUND)")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return ShiftedMean(-1.0)
 
 
 LIBRARY: dict[str, Attack] = {a.name: a for a in (
     Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
     DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
-    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup(), EarlyReady(), LyingDesignee())}
+    OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup(), EarlyReady(), LyingDesignee(),
+    FlippingDesignee())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
 # the attacks the search's small and large families draw from (peer/sim/search.py): fixed, so that a
 # documented seed keeps its schedule when the library grows; later attacks are drawn by later families

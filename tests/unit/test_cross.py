@@ -331,3 +331,102 @@ def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_
             d.stop()
 
     asyncio.run(go())
+
+
+def test_off_measures_a_mean_against_our_own_values_in_their_norms() -> None:
+    from hivetrain.peer.averaging.cross import MEAN_BOUND, off
+
+    own = torch.tensor([3.0, 4.0])  # norm 5
+    assert off(own.clone(), own) == 0.0
+    assert abs(off(torch.zeros(2), own) - 1.0) < 1e-6
+    assert abs(off(-own, own) - 2.0) < 1e-6  # the update reversed: 2 norms (what the bound lets through)
+    assert off(-1000.0 * own, own) > MEAN_BOUND
+    assert off(torch.tensor([float("nan"), 0.0]), own) == float("inf")
+    # a zero pseudo-gradient of ours is measured in our group's norm, not refused for want of a scale
+    assert abs(off(torch.tensor([3.0, 4.0]), torch.zeros(2), torch.tensor([0.0, 5.0])) - 1.0) < 1e-6
+    assert off(torch.ones(2), torch.zeros(2)) == float("inf")
+
+
+def _cross_session(me: Identity, other: Identity, designee: Identity) -> tuple[object, dict[str, int], int]:
+    """A group of two (``me``, ``other``) in the cross stage, with one designee; our own
+    pseudo-gradient is all ones. Returns (session, {reducer id: a shard it reduces}, values per shard)."""
+    from hivetrain.peer.averaging.session import RoundSession
+
+    spec = RunSpec(name="t")
+    numel, units = 4096, 2
+    order = tuple(sorted((me.peer_id, other.peer_id)))
+    s = RoundSession(RUN, 3, BASE, order, me.peer_id, numel, spec.codec(), False, clock.now() + 60.0, units=units)
+    s.plan = s.local = derive([ready(designee.peer_id, 0.0)], 3, BASE, RUN, units_=units, numel=numel)
+    assert s.plan.subs == 1
+    s.own = torch.ones(numel)
+    shard_of = {s.reducer(k): k for k in range(units)}
+    assert set(shard_of) == set(order)
+    for k, (start, end) in enumerate(s.bounds):  # our group's result: ones too
+        s.shards[k].result = s.result_codec.encode(torch.ones(end - start))
+        s.shards[k].result_hash = hashlib.sha256(s.shards[k].result).hexdigest()
+    return s, shard_of, numel // units
+
+
+def _mean_out(signer: Identity, k: int, values: torch.Tensor, groups: int = 2, body: bytes | None = None) -> tuple[dict[str, object], bytes]:
+    from hivetrain.peer.averaging.cross import message
+
+    codec = RunSpec(name="t").codec().for_results(MAX_GROUP)
+    body = bytes(codec.encode(values)) if body is None else body
+    result = hashlib.sha256(body).hexdigest()
+    sig = signer.sign(message(RUN, 3, BASE, k, 0, result, 2, groups, MAX_GROUP)).hex()
+    return ({"type": "cross_out", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": k, "sub": 0,
+             "result": result, "weight": 2, "groups": groups, "enc": MAX_GROUP, "signer": signer.peer_id, "sig": sig}, body)
+
+
+def test_a_reducer_refuses_a_designees_mean_far_from_its_values_and_asks_the_next() -> None:
+    """A designee's mean is not audited: one that signs the true mean times -1000 took every honest
+    state (lying_designee, 763x-1.09e4x the largest honest deviation). The reducer measures it
+    against its own pseudo-gradient and its group's values: past MEAN_BOUND it is refused, named,
+    and the round goes on (the reducer asks the sub-piece's next designee); a near one is taken."""
+    me, other, designee = Identity.generate(), Identity.generate(), Identity.generate()
+    s, shard_of, n = _cross_session(me, other, designee)
+    k = shard_of[me.peer_id]
+    header, body = _mean_out(designee, k, torch.full((n,), -1000.0))
+    code, why = s.deposit_cross(designee.peer_id, header, body)  # type: ignore[attr-defined]
+    assert code == Code.MALFORMED and "lies" in why and designee.peer_id in why
+    assert s.refused == {(k, 0): designee.peer_id} and (k, 0) not in s.cross and s.void == ""  # type: ignore[attr-defined]
+    header, body = _mean_out(designee, k, torch.full((n,), 1.5))  # 0.5 norms off: an honest mean can be
+    assert s.deposit_cross(designee.peer_id, header, body) == (Code.OK, "")  # type: ignore[attr-defined]
+    assert (k, 0) in s.cross  # type: ignore[attr-defined]
+
+
+def test_a_member_refuses_a_far_mean_its_reducer_passed_on_and_voids_at_once() -> None:
+    from hivetrain.peer.errors import RoundFailed
+
+    me, other, designee = Identity.generate(), Identity.generate(), Identity.generate()
+    s, shard_of, n = _cross_session(me, other, designee)
+    k = shard_of[other.peer_id]
+    header, body = _mean_out(designee, k, torch.full((n,), -1.5))  # the update reversed and more: 2.5 norms
+    assert s.deposit_cross(other.peer_id, header, body)[0] == Code.MALFORMED  # type: ignore[attr-defined]
+    assert "lies 2.5" in s.void and s.refused == {(k, 0): designee.peer_id}  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        try:
+            await s.wait_for(lambda: False, clock.now() + 60.0, "the means")  # type: ignore[attr-defined]
+        except RoundFailed as e:
+            assert "lies" in str(e)
+            return
+        raise AssertionError("the round was not void")
+
+    asyncio.run(asyncio.wait_for(go(), 5.0))
+
+
+def test_a_reducer_signing_its_own_values_must_sign_exactly_its_groups_result() -> None:
+    """When no designee took a sub-piece, its reducer signs the group's own values (``fallen_back``):
+    members took whatever bytes it signed, so an attacker reducer that its auditor approved could
+    apply anything to its group. Now a member applies only the sub-piece of the checked result."""
+    me, other, designee = Identity.generate(), Identity.generate(), Identity.generate()
+    s, shard_of, n = _cross_session(me, other, designee)
+    k = shard_of[other.peer_id]
+    header, body = _mean_out(other, k, torch.full((n,), 1.01), groups=1)  # near, but not our result
+    code, why = s.deposit_cross(other.peer_id, header, body)  # type: ignore[attr-defined]
+    assert code == Code.MALFORMED and "not" in why and s.void  # type: ignore[attr-defined]
+    s2, shard_of, n = _cross_session(me, other, designee)
+    k = shard_of[other.peer_id]
+    header, body = _mean_out(other, k, torch.ones(n), groups=1, body=s2.shards[k].result)  # type: ignore[attr-defined]
+    assert s2.deposit_cross(other.peer_id, header, body) == (Code.OK, "")  # type: ignore[attr-defined]
