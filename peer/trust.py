@@ -131,6 +131,25 @@ class Bans:
     def __init__(self, max_bans: int = MAX_BANS):
         self.max_bans = max_bans
         self._why: dict[str, str] = {}
+        self._strikes: dict[str, tuple[int, str]] = {}  # peer -> (round, why) of a failure we could not attribute
+
+    def strike(self, peer: str, why: str, round_: int) -> bool:
+        """A failure that an honest peer can cause by crashing (it accused and then could not show its
+        evidence): the first round's is remembered, one in a later round bans (a crash fails every
+        shard of its round at once: one strike). True if ``peer`` is banned now. Bounded as the
+        bans are (the oldest strike makes room); not persisted."""
+        if peer in self._why:
+            return True
+        first = self._strikes.get(peer)
+        if first is not None and first[0] != round_:
+            del self._strikes[peer]
+            self.ban(peer, f"round {round_}: {why} (and in round {first[0]}: {first[1]})")
+            return True
+        if first is None:
+            self._strikes[peer] = (round_, why)
+        while len(self._strikes) > self.max_bans:
+            del self._strikes[next(iter(self._strikes))]
+        return False
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._why

@@ -184,6 +184,9 @@ class AllReduceRunner:
         except BaseException:
             self.outbox.stop()
             raise
+        for peer, why in s.proven_twins().items():
+            if peer != ctx.me:
+                self._convict(peer, why)
         averaged, applied, voids, conflict = self._gather_cross() if s.cross_on else self._gather()
         self._note_refused()
         if s.audit:
@@ -417,6 +420,8 @@ class AllReduceRunner:
             shard = s.shards[k]
             shard.result, shard.result_hash = out.result, hashlib.sha256(out.result).hexdigest()
             shard.commits, shard.claims, shard.excluded = out.digests, out.probation, sorted(out.excluded)
+            shard.result_sigs = [shard.sigs[p].hex() if p in shard.sigs and shard.commits[i] else ""
+                                 for i, p in enumerate(s.order)]
             commit = commitment(shard.commits, shard.claims, shard.excluded)
             shard.result_sig = sign_result(ctx.identity, s.where(k), bytes.fromhex(shard.result_hash), commit)
             s.arrived.set()
@@ -438,8 +443,8 @@ class AllReduceRunner:
             sig = shard.result_sig if body == shard.result else sign_result(ctx.identity, s.where(k), result_hash,
                                                                             commit)
             self.outbox.put(peer, self._header("result", k, result=result_hash.hex(), parts=shard.commits,
-                                               probation=shard.claims, excluded=shard.excluded, sig=sig.hex()),
-                            body, strict=False)
+                                               probation=shard.claims, excluded=shard.excluded, sig=sig.hex(),
+                                               sigs=shard.result_sigs), body, strict=False)
 
     def _claims(self) -> list[str]:
         s, ctx = self.session, self.ctx
@@ -514,6 +519,9 @@ class AllReduceRunner:
             finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, inputs, shard.claims,
                                               ahead if same else None)
         finding = ctx.behaviour.finding(s.round, k, finding)
+        twins = s.twins(k) if finding is not None and finding.kind is FindingKind.UNVERIFIABLE else []
+        for i, _, _ in twins:  # the shard stays unverifiable; who made it so is proven, and every member checks it
+            self._convict(s.order[i], f"signed two different parts of shard {k}: one for its reducer, another for us")
         if finding is not None:
             logger.warning("round %d: audit of shard %d (reducer %s): %s: %s", s.round, k, s.reducer(k),
                            finding.kind.value, finding.reason)
@@ -525,7 +533,7 @@ class AllReduceRunner:
         code = 0 if finding is None else FINDING_CODES[finding.kind]
         result_hash = bytes.fromhex(shard.result_hash)
         shard.verdict = Verdict(ok, shard.result_hash, code, why,
-                                sign_verdict(ctx.identity, s.where(k), ok, result_hash))
+                                sign_verdict(ctx.identity, s.where(k), ok, result_hash), tuple(twins))
         s.arrived.set()
         for peer in s.order:
             if peer == ctx.me:
@@ -533,7 +541,8 @@ class AllReduceRunner:
             said = ctx.behaviour.verdict_for(s.round, k, peer, ok)
             sig = shard.verdict.sig if said == ok else sign_verdict(ctx.identity, s.where(k), said, result_hash)
             self.outbox.put(peer, self._header("audit", k, ok=said, result=shard.result_hash, finding=code,
-                                               reason=why, sig=sig.hex()), b"", strict=False)
+                                               reason=why, sig=sig.hex(), twins=[list(t) for t in twins]),
+                            b"", strict=False)
 
     def _gather(self) -> tuple[torch.Tensor, list[bytes | None], list[tuple[int, int]], str]:
         """Decodes every shard's result into one vector, applying the verdicts (see the module doc).

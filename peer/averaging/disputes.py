@@ -8,7 +8,10 @@ message each, checks every part against the reducer's digest, recomputes the sha
 
 - the recomputation disagrees with the result: the reducer cheated;
 - it agrees: the auditor accused falsely;
-- the auditor does not produce parts matching the commitments: it cannot back its claim.
+- the auditor does not produce parts matching the commitments: it cannot back its claim;
+- the auditor cannot be reached, or says it holds no evidence: a strike, not a ban (an honest
+  auditor that crashed after its verdict does exactly that: search seed 3,000,501 banned one); a
+  strike in a later round bans it (``Bans.strike``), so a liar that hides from every check lies once.
 
 Only if the verdict names the result we hold: an auditor that judged another result (the reducer
 sent it a different one, or it names one it never got) is not judged here on our copy, which would
@@ -24,6 +27,7 @@ member the n parts of one shard and one recomputation, only when there is an acc
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from hivetrain.dht import clock
 from hivetrain.peer.averaging.context import PeerContext
@@ -32,6 +36,7 @@ from hivetrain.peer.averaging.session import RoundSession
 from hivetrain.peer.net.link import request
 from hivetrain.peer.net.wire import reason
 
+logger = logging.getLogger(__name__)
 SETTLE_SHARE = 0.5  # of the all-reduce deadline, for fetching and checking one accusation's evidence
 WRONG_AGGREGATE = 1  # Verdict.finding of a wrong-aggregate accusation (allreduce.FINDING_CODES)
 
@@ -50,13 +55,17 @@ async def settle_accusations(ctx: PeerContext, s: RoundSession) -> dict[str, str
         if ctx.me == s.reducer(k):  # we computed that shard ourselves: the accusation is false
             guilty[auditor] = f"accused us falsely of a wrong aggregate in shard {k}"
             continue
-        peer, why = await _settle(ctx, s, k)
-        guilty[peer] = why
+        peer, why, certain = await _settle(ctx, s, k)
+        if certain or ctx.bans.strike(peer, why, s.round):
+            guilty[peer] = why
+        else:
+            logger.warning("round %d: %s; a first strike, not a ban (it may have crashed)", s.round, why)
     return guilty
 
 
-async def _settle(ctx: PeerContext, s: RoundSession, k: int) -> tuple[str, str]:
-    """(the peer at fault, why) for the accusation against the reducer of shard k."""
+async def _settle(ctx: PeerContext, s: RoundSession, k: int) -> tuple[str, str, bool]:
+    """(the peer at fault, why, certain) for the accusation against the reducer of shard k: not
+    certain when the auditor could not be reached or holds no evidence (module doc)."""
     reducer, auditor = s.reducer(k), s.auditor(k)
     assert auditor is not None
     shard = s.shards[k]
@@ -74,15 +83,17 @@ async def _settle(ctx: PeerContext, s: RoundSession, k: int) -> tuple[str, str]:
                                         max(0.1, deadline - clock.now()), max_reply_body=s.shard_nbytes(k),
                                         traffic=ctx.traffic)
         except Exception as e:
-            return auditor, f"accused {reducer} of a wrong aggregate and did not show the parts ({type(e).__name__})"
-        if reply.get("type") != "evidence" or not reply.get("ok") or digest(body) != shard.commits[i]:
-            return auditor, f"accused {reducer} of a wrong aggregate; its evidence does not match the commitments"
+            return auditor, f"accused {reducer} of a wrong aggregate and did not show the parts ({type(e).__name__})", False
+        if reply.get("type") != "evidence" or not reply.get("ok"):
+            return auditor, f"accused {reducer} of a wrong aggregate and holds no evidence of it", False
+        if digest(body) != shard.commits[i]:
+            return auditor, f"accused {reducer} of a wrong aggregate; its evidence does not match the commitments", True
         received[peer] = body
     start, end = s.bounds[k]
     inputs = ShardInputs(received, invalid, s.order, end - start, ctx.codec, ctx.spec.aggregation)
     finding = await asyncio.to_thread(audit_shard, shard.result, shard.commits, inputs, shard.claims)
     if finding is not None and finding.kind is FindingKind.WRONG_AGGREGATE:
-        return reducer, reason(f"shard {k}: {finding.reason} (checked ourselves on its auditor's evidence)")
+        return reducer, reason(f"shard {k}: {finding.reason} (checked ourselves on its auditor's evidence)"), True
     what = "correct" if finding is None else finding.reason
-    return auditor, reason(f"accused {reducer} of a wrong aggregate in shard {k}, which we recomputed: {what}")
+    return auditor, reason(f"accused {reducer} of a wrong aggregate in shard {k}, which we recomputed: {what}"), True
 

@@ -79,6 +79,7 @@ class Verdict:
     finding: int  # 0: none; else peer/averaging/reduce.py FindingKind's position + 1
     reason: str
     sig: bytes
+    twins: tuple[tuple[int, str, str], ...] = ()  # (member index, digest, its signature): another part it signed us
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ShardState:
     claims: list[str] = field(default_factory=list)  # members the reducer gave weight 0 (probation)
     excluded: list[str] = field(default_factory=list)  # members the reducer left out
     result_sig: bytes = b""
+    result_sigs: list[str] = field(default_factory=list)  # per member: its signature of the part the reducer used
     verdict: Verdict | None = None  # from the auditor
     sigs: dict[str, bytes] = field(default_factory=dict)  # member -> its signature of its part (we relay a slow
     # member's; with the cross stage every member's: its word to the designees that it is in our group)
@@ -514,13 +516,14 @@ class RoundSession:
             shard = self.shards[k]
             shard.result, shard.result_hash, shard.result_sig = body, header["result"], bytes.fromhex(header["sig"])
             shard.commits, shard.claims, shard.excluded = header["parts"], header["probation"], header["excluded"]
+            shard.result_sigs = list(header["sigs"])
             for (held_k, j) in [key for key in self.early_cross if key[0] == k]:
                 forwarder, mean = self.early_cross.pop((held_k, j))
                 if shard.result_hash == mean["result"]:  # (else it stands for another result: never taken)
                     self.deposit_cross(forwarder, mean, b"")
         elif kind == "audit":
             self.shards[k].verdict = Verdict(header["ok"], header["result"], header["finding"], header["reason"],
-                                             bytes.fromhex(header["sig"]))
+                                             bytes.fromhex(header["sig"]), tuple((i, d, g) for i, d, g in header["twins"]))
         elif kind == "applied":
             self.applied[sender], self.held[sender] = header["digest"], header["held"]
         self.arrived.set()
@@ -534,6 +537,55 @@ class RoundSession:
         if pledged is not None and held is not None and digest(held) != pledged:
             self._convict(member, Code.EQUIVOCATION, f"pledged one part of shard {k} to its auditor and signed "
                                                      "another for its reducer")
+
+    def twins(self, k: int) -> list[tuple[int, str, str]]:
+        """As auditor of shard ``k``: (index, digest, signature) of each member whose signed copy we hold
+        is another part than the one its reducer used, signed too: the member signed two parts of one
+        shard (review N7: it made the shard unverifiable, unblamed, every round)."""
+        shard, out = self.shards[k], []
+        for i, p in enumerate(self.order):
+            used = shard.commits[i] if i < len(shard.commits) else ""
+            held = shard.parts.get(p)
+            if not used or held is None or p not in shard.sigs or digest(held) == used:
+                continue
+            if self._signed_both(k, i, used, digest(held), shard.sigs[p].hex()):
+                out.append((i, digest(held), shard.sigs[p].hex()))
+        return out
+
+    def _signed_both(self, k: int, i: int, used: str, other: str, other_sig: str) -> bool:
+        """Whether member ``i`` signed both the part its reducer used (``used``, its signature in our
+        copy of the result) and another one (``other``) for shard ``k``."""
+        return used != other and self._signed(k, i, used) and self._valid_part_sig(k, i, other, other_sig)
+
+    def _signed(self, k: int, i: int, used: str) -> bool:
+        """Whether our copy of shard ``k``'s result carries member ``i``'s signature of ``used``."""
+        sigs = self.shards[k].result_sigs
+        return i < len(sigs) and bool(sigs[i]) and self._valid_part_sig(k, i, used, sigs[i])
+
+    def _valid_part_sig(self, k: int, i: int, part_digest: str, sig: str) -> bool:
+        return valid(self.order[i], bytes.fromhex(sig), part_message(self.where(k), part_digest))
+
+    def proven_twins(self) -> dict[str, str]:
+        """{member: why} for every member an auditor's verdict proves signed two parts of one shard,
+        checked on our own copy of the reducer's result (its commitments and the members' signatures).
+        A proof whose second signature does not check is the auditor's: it names a member it cannot
+        show to have lied. (If our copy of the member's first signature does not check, the reducer
+        sent us another list than the auditor: nothing here proves who; the round's agreement may.)"""
+        out: dict[str, str] = {}
+        for k, shard in enumerate(self.shards):
+            verdict, auditor = shard.verdict, self.auditor(k)
+            if verdict is None or not verdict.twins or shard.result is None or auditor is None:
+                continue
+            for i, other, sig in verdict.twins:
+                used = shard.commits[i] if i < min(self.n, len(shard.commits)) else ""
+                if not used or used == other or not self._signed(k, i, used):
+                    continue
+                if self._valid_part_sig(k, i, other, sig):
+                    out.setdefault(self.order[i], f"signed two different parts of shard {k}: one for its reducer, "
+                                                  f"another for its auditor {auditor}")
+                else:
+                    out.setdefault(auditor, f"its verdict on shard {k} names {self.order[i]} with a part it did not sign")
+        return out
 
     def contested(self, k: int) -> list[str]:
         """Slow members of shard ``k`` (we audit) that pledged a part their reducer says it refused:

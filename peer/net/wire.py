@@ -110,6 +110,16 @@ def _opt_sig(v: Any) -> bool:
 VOUCH_LEN = 16 + 64  # one member's word in a group's ``vouch`` (peer/averaging/cross.py): part digest, signature
 
 
+def _opt_sigs(v: Any) -> bool:  # per member: its signature of its part, or "" (unsigned, or none arrived)
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(_opt_sig(s) for s in v)
+
+
+def _twins(v: Any) -> bool:  # per equivocating member: [its index, the digest of our copy, its signature of it]
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(
+        isinstance(t, list) and len(t) == 3 and _int(0, MAX_GROUP - 1)(t[0]) and _part_digest(t[1]) and _sig(t[2])
+        for t in v)
+
+
 def _vouch(v: Any) -> bool:
     return isinstance(v, bytes) and len(v) <= VOUCH_LEN * MAX_GROUP and len(v) % VOUCH_LEN == 0
 
@@ -151,12 +161,14 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # digest and sig "": the reducer refused that member's part
     "relay": {**_SESSION, "shard": _SHARD, "member": _peer, "digest": _digest_or_none, "sig": _opt_sig},
     # all-gather: the reducer's re-encoded result of its shard, the digests of the parts it used (per member),
-    # the members it gave weight 0 (probation) and left out, signed by the reducer (peer/averaging/statements.py)
+    # the members it gave weight 0 (probation) and left out, signed by the reducer (peer/averaging/statements.py);
+    # sigs: per member, its own signature of the part the reducer used ("" where parts are not signed)
     "result": {**_SESSION, "shard": _SHARD, "result": _hex64, "parts": _digests, "probation": _peers,
-               "excluded": _peers, "sig": _sig},
-    # audit: the auditor's signed verdict on the result with SHA-256 ``result``; finding: 0 none, else its kind
+               "excluded": _peers, "sig": _sig, "sigs": _opt_sigs},
+    # audit: the auditor's signed verdict on the result with SHA-256 ``result``; finding: 0 none, else its kind;
+    # twins: members that signed us another part than the one their reducer used (the proof: our copy's signature)
     "audit": {**_SESSION, "shard": _SHARD, "ok": _bool, "result": _hex64, "finding": _int(0, 2), "reason": _text,
-              "sig": _sig},
+              "sig": _sig, "twins": _twins},
     # disputes: a member asks the auditor of shard ``shard`` for its copy of member ``index``'s part
     "evidence_req": {**_SESSION, "shard": _SHARD, "index": _MEMBER},
     "evidence": {**_SESSION, "shard": _SHARD, "index": _MEMBER, "ok": _bool},

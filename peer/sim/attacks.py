@@ -325,7 +325,7 @@ class Unverifiable(Behaviour):
 class UnverifiableParts(Attack):
     name = "unverifiable_parts"
     about = ("N7: a member sends its reducer and its auditor different well-formed parts, so every shard it "
-             "is in is 'unverifiable' (void) and nobody is blamed")
+             "is in is 'unverifiable' (void; with the cross stage its group's values are left out of it)")
 
     def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
         return Unverifiable()
@@ -336,8 +336,10 @@ class UnverifiableParts(Attack):
                 and "unverifiable" in str(rec.get("why", "")) + str(rec.get("excluded", ""))]
         if hit or void:
             shards = sum(len(rec["void_shards"]) for _, rec in hit)
-            return (f"{len(hit)} honest peer-rounds with the attacker had {shards} void shard ranges; "
-                    f"{len(void)} void rounds named an unverifiable shard")
+            proven = [b for b in banned(result) if "signed two different parts" in b[2]]
+            return (f"{len(hit)} honest peer-rounds with the attacker had {shards} void shard ranges in rounds "
+                    f"{sorted({rec['round'] for _, rec in hit if rec['void_shards']})}; {len(void)} void rounds named "
+                    f"an unverifiable shard; {len(proven)} bans for signing two parts")
         return None
 
 

@@ -75,9 +75,9 @@ def test_an_outsider_frames_for_our_group_are_refused_attributed_and_unused() ->
             "part": (outsider.header("part", 0, group=s.group, shard=shard, digest=digest(junk), sig=""), junk),
             "result": (outsider.header("result", 0, group=s.group, shard=(shard + 1) % n,
                                        result=hashlib.sha256(junk).hexdigest(), parts=[""] * n, probation=[],
-                                       excluded=[], sig=sig.hex()), junk),
+                                       excluded=[], sig=sig.hex(), sigs=[""] * n), junk),
             "audit": (outsider.header("audit", 0, group=s.group, shard=0, ok=False, result="0" * 64, finding=1,
-                                      reason="lies", sig="00" * 64), b""),
+                                      reason="lies", sig="00" * 64, twins=[]), b""),
             "evidence_req": (outsider.header("evidence_req", 0, group=s.group, shard=0, index=0), b""),
         }
 
@@ -115,7 +115,7 @@ def test_a_member_claiming_another_members_role_is_convicted_and_banned() -> Non
         rh = hashlib.sha256(body).digest()
         sig = sign_result(liar.identity, s.where(victim_shard), rh, commitment([""] * n, [], []))
         header = liar.header("result", 0, BASE, group=s.group, shard=victim_shard, result=rh.hex(), parts=[""] * n,
-                             probation=[], excluded=[], sig=sig.hex())
+                             probation=[], excluded=[], sig=sig.hex(), sigs=[""] * n)
         targets = [p for i, p in enumerate(s.order) if p != liar.me and i != victim_shard]
 
         async def go() -> None:
@@ -617,5 +617,106 @@ def test_identities_from_one_prefix_are_capped_per_group() -> None:
         assert groups and all(len(g) <= 2 for g in groups), story(results)
         left_out = [r for r in completed(results) if len(r.group) == 2]
         assert any("at most 2 per prefix" in why for r in left_out for why in r.excluded.values()), story(results)
+    finally:
+        swarm.close()
+
+
+class TwoParts(Behaviour):
+    """A member whose auditors get another well-formed part (signed) than its reducers (review N7)."""
+
+    def __init__(self) -> None:
+        self.other: dict[int, bytes] = {}
+
+    def parts(self, round_: int, parts: list[bytes], delta: torch.Tensor, bounds: list[tuple[int, int]],
+              codec: Codec) -> list[bytes]:
+        self.other = {k: bytes(codec.encode(delta[a:b] * 0.5)) for k, (a, b) in enumerate(bounds)}
+        return parts
+
+    def part_for(self, round_: int, shard: int, recipient: str, auditor: bool, part: bytes) -> bytes:
+        return self.other[shard] if auditor else part
+
+
+def test_a_member_that_signs_its_auditor_another_part_is_proven_to_every_member_and_banned() -> None:
+    """Review N7: the shard was unverifiable and nobody was blamed, every round. The result carries the
+    members' signatures of the parts it used, the verdict the auditor's copy's: each member checks both
+    signatures of the cheat on two parts of one shard itself and bans it; the next round goes on without it."""
+    n = 4
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    cheat_id = swarm.ids()[3]
+    swarm.peers[3].ctx.behaviour = TwoParts()
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        for i in range(3):
+            why = swarm.peers[i].ctx.bans.why(cheat_id) or ""
+            assert "signed two different parts of shard" in why, (i, why, story(results))
+        assert not [i for i in range(3) for j in range(3) if swarm.ids()[j] in swarm.peers[i].ctx.bans]
+        nxt = swarm.all_reduce(1, BASE, deltas(n, seed=1))
+        assert len(completed(nxt[:3])) == 3, story(nxt)
+        for r in completed(nxt[:3]):
+            assert cheat_id not in r.group
+    finally:
+        swarm.close()
+
+
+def test_an_auditor_that_names_a_member_with_a_made_up_second_part_is_the_one_banned(monkeypatch: Any) -> None:
+    """A proof that does not check is the auditor's: a member named with a part it never signed is not
+    banned; the auditor that named it is, by every member that checked."""
+    from hivetrain.peer.averaging.session import RoundSession
+
+    n = 4
+    swarm = LocalSwarm(spec(n), NUMEL, n)
+    liar, victim = swarm.ids()[3], swarm.ids()[0]
+    real = RoundSession.twins
+
+    def framing(self: RoundSession, k: int) -> list[tuple[int, str, str]]:
+        if self.me != liar:
+            return real(self, k)
+        return [(self.order.index(victim), "0" * 32, "ab" * 64)]  # a digest and a signature the victim never made
+
+    monkeypatch.setattr(RoundSession, "twins", framing)
+
+    class Unverifying(Behaviour):  # the liar finds every shard it audits unverifiable, so that it sends a proof
+        def finding(self, round_: int, shard: int, finding: Any) -> Any:
+            from hivetrain.peer.averaging.reduce import Finding, FindingKind
+            return Finding(FindingKind.UNVERIFIABLE, "parts differ")
+
+    swarm.peers[3].ctx.behaviour = Unverifying()
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        blamed = [swarm.peers[i].ctx.bans.why(liar) or "" for i in range(3) if i != swarm.ids().index(victim)]
+        assert any("with a part it did not sign" in why for why in blamed), (blamed, story(results))
+        assert not any(victim in swarm.peers[i].ctx.bans for i in range(1, 4) if swarm.ids()[i] != liar)
+    finally:
+        swarm.close()
+
+
+def test_an_accuser_that_shows_no_evidence_is_struck_once_then_banned(monkeypatch: Any) -> None:
+    """An auditor that accuses and then cannot show its evidence may have crashed after its verdict
+    (search seed 3,000,501: the members banned such an honest auditor). The members that check it
+    note a strike, not a ban; the reducer it accused knows the accusation is false and bans it. A
+    second unanswered accusation bans it everywhere (``Bans.strike``)."""
+    from hivetrain.peer.averaging.session import RoundSession
+
+    n = 4
+    plan = FaultPlan.parse("accuse@results:0")
+    swarm = LocalSwarm(spec(n), NUMEL, n, behaviours={3: plan})
+    liar = swarm.ids()[3]
+    real = RoundSession.evidence
+    monkeypatch.setattr(RoundSession, "evidence",
+                        lambda self, sender, header: (Code.NO_EVIDENCE, b"") if self.me == liar else real(self, sender, header))
+    try:
+        results = swarm.all_reduce(0, BASE, deltas(n))
+        assert_identical(results[:3], members=3)
+        s = session_of(swarm, 0, 0)
+        accused = {s.reducer(k) for k in range(s.units) if s.auditor(k) == liar}
+        checkers = [i for i in range(3) if swarm.ids()[i] not in accused]
+        assert checkers, "every honest member was accused: nobody checked"
+        for i in range(3):
+            why = swarm.peers[i].ctx.bans.why(liar) or ""
+            if i in checkers:
+                assert liar not in swarm.peers[i].ctx.bans, (i, why)  # one silence is not proof
+                assert swarm.peers[i].ctx.bans.strike(liar, "holds no evidence", 1)  # one in a later round is
+            else:
+                assert "accused us falsely" in why, (i, why)
     finally:
         swarm.close()

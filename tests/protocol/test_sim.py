@@ -497,3 +497,34 @@ def test_a_designee_that_signs_its_mean_times_minus_1000_is_refused_by_every_hon
     assert not evidence.endswith(" 0 honest peer-rounds refused an attacker's mean"), evidence
     violations, _ = check(result)
     assert violations == []
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_member_that_signs_its_auditor_another_part_is_proven_and_banned_after_one_round(seed: int) -> None:
+    """Review N7: a member that sends its reducer and its auditor different (well-formed, signed)
+    parts left every shard it was in unverifiable, round after round, unblamed (the library's run: 54
+    void shard ranges over 18 peer-rounds, 0 bans). The reducer's result now carries the members'
+    signatures of the parts it used and the auditor's verdict its own copy's: two signatures of one
+    member on two parts of one shard, which every member checks and bans for. Its shards are void in
+    its first round only."""
+    result = simulate(Scenario(peers=8, rounds=3, target=4, seed=seed, dishonest=(6, 7), attacker_prefixes=1,
+                               attacks=("unverifiable_parts",)))
+    evidence = LIBRARY["unverifiable_parts"].happened(result)
+    assert evidence and "void shard ranges in rounds [0]" in evidence, evidence
+    bad = attacker_ids(result)
+    for i, rec in [(i, rec) for i, rec in result.records if rec.get("event") == "round" and rec["round"] == 0]:
+        if i in {p.index for p in result.honest()} and rec.get("void_shards") and not rec.get("void"):
+            inc = next(p for p in result.peers if p.index == i).incarnations[0]
+            assert all(p in inc.averager.ctx.bans for p in bad & set(rec["group"])), (i, rec["group"])  # proven to all
+    violations, _ = check(result)
+    assert violations == []
+
+
+def test_an_auditor_that_accused_and_then_crashed_is_not_banned_for_its_silence() -> None:
+    """Search seed 3,000,501 (11 peers; 3 attackers on one /24, dialback_lies + equivocating_reducer;
+    a crash): an honest auditor rightly accused an attacker reducer of a wrong aggregate and crashed
+    before the members asked for its evidence; they banned it for not showing it (I3). Silence is now
+    a strike: the second bans."""
+    result = simulate(schedule(3_000_501))
+    violations, _ = check(result)
+    assert not [v for v in violations if v[0] == "I3"], violations

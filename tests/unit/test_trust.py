@@ -142,3 +142,19 @@ def test_the_rounds_a_peer_began_averaging_outlive_it(tmp_path) -> None:
     assert BeganFile(path, said.append).marked() == {(r, f"{r:064x}") for r in range(2, 6)}  # the last four
     (tmp_path / "run.began.json").write_text("{oops")
     assert BeganFile(path, said.append).marked() == set() and said and said[0].startswith("warning: ignoring")
+
+
+def test_a_first_unattributable_failure_is_a_strike_and_one_in_a_later_round_bans() -> None:
+    """An auditor that accused and then could not show its evidence may have crashed (search seed
+    3,000,501 banned such an honest peer): every shard of that round fails at once, one strike; a
+    failure in a later round bans, with both reasons."""
+    bans = Bans(max_bans=2)
+    assert not bans.strike("a", "no evidence", 1) and "a" not in bans
+    assert not bans.strike("a", "no evidence of shard 2", 1)  # the same round: the same crash
+    assert not bans.strike("b", "no evidence", 1)
+    assert bans.strike("a", "no evidence", 2) and "a" in bans
+    assert bans.why("a") == "round 2: no evidence (and in round 1: no evidence)"
+    assert bans.strike("a", "again", 3)
+    for p in "cde":  # strikes are bounded like bans: the oldest makes room
+        bans.strike(p, "x", 1)
+    assert not bans.strike("b", "again", 2) and "b" not in bans  # (its first strike was forgotten)

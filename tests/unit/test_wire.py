@@ -35,9 +35,9 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
                        "up": 0},
         "part": {"group": HEX, "shard": 1, "digest": HEX[:32], "sig": ""},
         "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
-                   "probation": [PEER2], "sig": HEX * 2},
+                   "probation": [PEER2], "sig": HEX * 2, "sigs": [HEX * 2, ""]},
         "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
-                  "sig": HEX * 2},
+                  "sig": HEX * 2, "twins": [[1, HEX[:32], HEX * 2]]},
         "applied": {"group": HEX, "digest": HEX, "held": HEX},
         "evidence_req": {"group": HEX, "shard": 0, "index": 0},
         "ack": {"code": 0, "reason": ""},
@@ -186,6 +186,12 @@ def test_unhashable_type_rejected(header: Any) -> None:
     _header("audit", ok=1),
     _header("audit", result=HEX[:32]),
     _header("audit", reason="x" * 300),
+    _header("result", sigs=[HEX]),  # a signature is 128 hex characters or empty
+    _header("result", sigs=[""] * (MAX_GROUP + 1)),
+    _header("audit", twins=[[MAX_GROUP, HEX[:32], HEX * 2]]),  # an index is a member's position
+    _header("audit", twins=[[0, HEX, HEX * 2]]),
+    _header("audit", twins=[[0, HEX[:32], ""]]),  # a proof carries the signature
+    _header("audit", twins=[[0, HEX[:32]]]),
 ])
 def test_bad_header_fields_rejected(header: dict[str, Any]) -> None:
     with pytest.raises(ProtocolError):
