@@ -444,7 +444,7 @@ class AllReduceRunner:
                                                                             commit)
             self.outbox.put(peer, self._header("result", k, result=result_hash.hex(), parts=shard.commits,
                                                probation=shard.claims, excluded=shard.excluded, sig=sig.hex(),
-                                               sigs=shard.result_sigs), body, strict=False)
+                                               sigs=[bytes.fromhex(x) for x in shard.result_sigs]), body, strict=False)
 
     def _claims(self) -> list[str]:
         s, ctx = self.session, self.ctx

@@ -516,7 +516,7 @@ class RoundSession:
             shard = self.shards[k]
             shard.result, shard.result_hash, shard.result_sig = body, header["result"], bytes.fromhex(header["sig"])
             shard.commits, shard.claims, shard.excluded = header["parts"], header["probation"], header["excluded"]
-            shard.result_sigs = list(header["sigs"])
+            shard.result_sigs = [sig.hex() for sig in header["sigs"]]
             for (held_k, j) in [key for key in self.early_cross if key[0] == k]:
                 forwarder, mean = self.early_cross.pop((held_k, j))
                 if shard.result_hash == mean["result"]:  # (else it stands for another result: never taken)

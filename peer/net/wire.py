@@ -110,8 +110,8 @@ def _opt_sig(v: Any) -> bool:
 VOUCH_LEN = 16 + 64  # one member's word in a group's ``vouch`` (peer/averaging/cross.py): part digest, signature
 
 
-def _opt_sigs(v: Any) -> bool:  # per member: its signature of its part, or "" (unsigned, or none arrived)
-    return isinstance(v, list) and len(v) <= MAX_GROUP and all(_opt_sig(s) for s in v)
+def _opt_sigs(v: Any) -> bool:  # per member: its signature of its part (64 bytes, not hex: 64 of them fit a header), or b""
+    return isinstance(v, list) and len(v) <= MAX_GROUP and all(isinstance(s, bytes) and len(s) in (0, 64) for s in v)
 
 
 def _twins(v: Any) -> bool:  # per equivocating member: [its index, the digest of our copy, its signature of it]
@@ -162,7 +162,7 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "relay": {**_SESSION, "shard": _SHARD, "member": _peer, "digest": _digest_or_none, "sig": _opt_sig},
     # all-gather: the reducer's re-encoded result of its shard, the digests of the parts it used (per member),
     # the members it gave weight 0 (probation) and left out, signed by the reducer (peer/averaging/statements.py);
-    # sigs: per member, its own signature of the part the reducer used ("" where parts are not signed)
+    # sigs: per member, its own signature of the part the reducer used (b"" where parts are not signed)
     "result": {**_SESSION, "shard": _SHARD, "result": _hex64, "parts": _digests, "probation": _peers,
                "excluded": _peers, "sig": _sig, "sigs": _opt_sigs},
     # audit: the auditor's signed verdict on the result with SHA-256 ``result``; finding: 0 none, else its kind;

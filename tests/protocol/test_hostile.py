@@ -75,7 +75,7 @@ def test_an_outsider_frames_for_our_group_are_refused_attributed_and_unused() ->
             "part": (outsider.header("part", 0, group=s.group, shard=shard, digest=digest(junk), sig=""), junk),
             "result": (outsider.header("result", 0, group=s.group, shard=(shard + 1) % n,
                                        result=hashlib.sha256(junk).hexdigest(), parts=[""] * n, probation=[],
-                                       excluded=[], sig=sig.hex(), sigs=[""] * n), junk),
+                                       excluded=[], sig=sig.hex(), sigs=[b""] * n), junk),
             "audit": (outsider.header("audit", 0, group=s.group, shard=0, ok=False, result="0" * 64, finding=1,
                                       reason="lies", sig="00" * 64, twins=[]), b""),
             "evidence_req": (outsider.header("evidence_req", 0, group=s.group, shard=0, index=0), b""),
@@ -115,7 +115,7 @@ def test_a_member_claiming_another_members_role_is_convicted_and_banned() -> Non
         rh = hashlib.sha256(body).digest()
         sig = sign_result(liar.identity, s.where(victim_shard), rh, commitment([""] * n, [], []))
         header = liar.header("result", 0, BASE, group=s.group, shard=victim_shard, result=rh.hex(), parts=[""] * n,
-                             probation=[], excluded=[], sig=sig.hex(), sigs=[""] * n)
+                             probation=[], excluded=[], sig=sig.hex(), sigs=[b""] * n)
         targets = [p for i, p in enumerate(s.order) if p != liar.me and i != victim_shard]
 
         async def go() -> None:

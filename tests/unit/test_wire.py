@@ -35,7 +35,7 @@ def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
                        "up": 0},
         "part": {"group": HEX, "shard": 1, "digest": HEX[:32], "sig": ""},
         "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
-                   "probation": [PEER2], "sig": HEX * 2, "sigs": [HEX * 2, ""]},
+                   "probation": [PEER2], "sig": HEX * 2, "sigs": [bytes(64), b""]},
         "audit": {"group": HEX, "shard": 0, "ok": False, "result": HEX, "finding": 1, "reason": "wrong aggregate",
                   "sig": HEX * 2, "twins": [[1, HEX[:32], HEX * 2]]},
         "applied": {"group": HEX, "digest": HEX, "held": HEX},
@@ -186,8 +186,9 @@ def test_unhashable_type_rejected(header: Any) -> None:
     _header("audit", ok=1),
     _header("audit", result=HEX[:32]),
     _header("audit", reason="x" * 300),
-    _header("result", sigs=[HEX]),  # a signature is 128 hex characters or empty
-    _header("result", sigs=[""] * (MAX_GROUP + 1)),
+    _header("result", sigs=[HEX * 2]),  # a signature is 64 bytes (or none), not hex
+    _header("result", sigs=[bytes(63)]),
+    _header("result", sigs=[b""] * (MAX_GROUP + 1)),
     _header("audit", twins=[[MAX_GROUP, HEX[:32], HEX * 2]]),  # an index is a member's position
     _header("audit", twins=[[0, HEX, HEX * 2]]),
     _header("audit", twins=[[0, HEX[:32], ""]]),  # a proof carries the signature
@@ -274,3 +275,12 @@ def test_invalid_timeout(timeout: float) -> None:
 def test_prefix_layout() -> None:
     assert PREFIX.size == 16
     assert PREFIX.pack(MAGIC, 1, 2) == b"HTW3" + struct.pack("<I", 1) + struct.pack("<Q", 2)
+
+
+def test_the_largest_result_and_verdict_a_group_can_send_fit_a_header() -> None:
+    """A result names up to MAX_GROUP members four times (digests, probation, left out, signatures)
+    and a verdict up to MAX_GROUP proofs: both fit MAX_HEADER (signatures travel as bytes, not hex)."""
+    peer = "12D3KooW" + "A" * 44  # a peer id's length
+    encode_frame(_header("result", parts=[HEX[:32]] * MAX_GROUP, probation=[peer] * MAX_GROUP,
+                         excluded=[peer] * MAX_GROUP, sigs=[bytes(64)] * MAX_GROUP, shard=MAX_PIECES - 1))
+    encode_frame(_header("audit", twins=[[MAX_GROUP - 1, HEX[:32], HEX * 2]] * MAX_GROUP, reason="x" * 256))
