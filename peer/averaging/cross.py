@@ -725,12 +725,15 @@ class Desk:
         of the round's peers we wait for (a minority's mean is whoever it holds: three attackers alone
         in groups of one outweighed an honest pair, 611x, after the round's largest group went to a
         designee that crashed; search seed 3,001,409), or when the only groups that weigh are groups
-        of one (unchecked values: an attacker alone was the mean of a 9-member group whose attacker
-        reducer its auditor had rejected, 9.2e5x; search seed 3,001,993). A group that sent it alone
-        gets its own values back, as when it trains alone."""
+        of one and a group that weighs nothing would get their values (unchecked values: an attacker
+        alone was the mean of a 9-member group whose attacker reducer its auditor had rejected,
+        9.2e5x; search seed 3,001,993). Groups of one that all weigh are averaged as a pair is (two
+        peers that each derived a group of one voided every round, and never met: CI on this machine,
+        test_reach.py's restarted owner). A group that sent it alone gets its own values back, as
+        when it trains alone."""
         counted = [e for e in entries if e.counts()]
-        if counted and all(len(e.members) == 1 for e in counted):
-            why = "the only groups that weigh are groups of one"
+        if counted and all(len(e.members) == 1 for e in counted) and len(counted) < len(entries):
+            why = "the only groups that weigh are groups of one, and a group that weighs nothing would get their values"
         elif self.waiting:
             # (a group whose word has not come is not here yet: the designee's wait counts from the first
             # arrival, anybody's to choose; a made-up group sent early, and honest groups whose auditors'
