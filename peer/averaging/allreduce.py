@@ -105,6 +105,7 @@ class AllReduceRunner:
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
         self._vouches: dict[int, bytes] = {}  # shard -> our group's ``vouch`` of it (the same for every sub-piece)
+        self._relayed: set[tuple[str, int]] = set()  # (slow member, shard) whose relay we put (bounded: group x shards)
         self.outbox = Outbox(ctx, session.round, session.deadline)  # our messages of the round, per member in order
 
     async def run(self, delta: torch.Tensor) -> Outcome:
@@ -427,6 +428,9 @@ class AllReduceRunner:
             s.arrived.set()
             if i == 0:
                 ctx.behaviour.at("before_results", s.round)
+            for m in s.order:  # a slow member's relay goes out before the result its auditor checks (not after
+                if m in s.relayed and (m in shard.parts or m in shard.invalid):  # our other shards' relays)
+                    self._relay_one(m, k)
             self._send_result(k)
 
     def _send_result(self, k: int) -> None:
@@ -463,20 +467,27 @@ class AllReduceRunner:
         await asyncio.gather(*(self._relay(m) for m in s.order if m in s.relayed))
 
     async def _relay(self, member: str) -> None:
-        s, ctx = self.session, self.ctx
+        s = self.session
         for k in s.mine:
-            shard, auditor = s.shards[k], s.auditor(k)
+            shard = s.shards[k]
             await s.wait_for(lambda: member in shard.parts or member in shard.invalid,  # noqa: B023 (awaited here)
                              s.deadline, f"the part of {member} of shard {k}")
-            if auditor is None or auditor == member:
-                continue
-            held = shard.parts.get(member)
-            part = None if held is None else ctx.behaviour.relay_for(s.round, k, member, held)
-            if held is None or part is None:
-                header = self._header("relay", k, member=member, digest="", sig="")
-            else:
-                header = self._header("relay", k, member=member, digest=digest(held), sig=shard.sigs[member].hex())
-            self.outbox.put(auditor, header, part or b"", strict=False)
+            self._relay_one(member, k)
+
+    def _relay_one(self, member: str, k: int) -> None:
+        """Puts ``member``'s part of our shard ``k`` (or our refusal of it) for the shard's auditor, once."""
+        s, ctx = self.session, self.ctx
+        shard, auditor = s.shards[k], s.auditor(k)
+        if (member, k) in self._relayed or auditor is None or auditor == member:
+            return
+        self._relayed.add((member, k))
+        held = shard.parts.get(member)
+        part = None if held is None else ctx.behaviour.relay_for(s.round, k, member, held)
+        if held is None or part is None:
+            header = self._header("relay", k, member=member, digest="", sig="")
+        else:
+            header = self._header("relay", k, member=member, digest=digest(held), sig=shard.sigs[member].hex())
+        self.outbox.put(auditor, header, part or b"", strict=False)
 
     async def _audit_all(self) -> None:
         for k in self.session.audited:
