@@ -20,19 +20,24 @@ outbound-only member (it still contributes its part) or believe itself reachable
 then fail to reach it and drop it, as any unreachable peer).
 
 The asked peers are one per network prefix (/24, /48) as our own connections see them
-(peer/net/prefixes.py; exempt addresses, such as loopback, each count as their own), in the
-order we hold the connections: identities on one prefix that connect to us first get one answer
-between them, not the majority. (Review N3: 3 identities of one /24 that connected first were
-the 3 asked, said "not reachable", and every honest public peer became outbound-only, leaving an
-attacker the lone reducer.) An attacker needs as many prefixes as a majority of ASKED.
+(peer/net/prefixes.py; exempt addresses, such as loopback, each count as their own), in a fresh
+random order, never the order we hold the connections in: identities on one prefix get one answer
+between them, not the majority (review N3: 3 identities of one /24 that connected first were the
+3 asked, said "not reachable", and every honest public peer became outbound-only, leaving an
+attacker the lone reducer), and identities on several prefixes that connect first are asked no
+sooner than anyone else. Honest answers agree (they test one fact), so answers that disagree mean
+somebody lies: then every other prefix we are connected to is asked too (up to SPLIT_ASKED in
+all), and the majority of all the answers decides. An attacker needs a majority of our connected
+prefixes (up to SPLIT_ASKED of them), not of the ASKED drawn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +51,7 @@ PROTOCOL = "hivetrain/dialback/2"  # 2: over the link's framing and caps
 DIRECT, OUTBOUND_ONLY, UNKNOWN = "direct", "outbound_only", "unknown"  # the heartbeat's ``reach`` values
 REACH_WORDS = {DIRECT: "reachable directly", OUTBOUND_ONLY: "outbound-only (behind NAT)", UNKNOWN: "not known"}
 ASKED = 5  # peers asked per check, one per prefix
+SPLIT_ASKED = 15  # peers asked in all when the first ASKED disagree
 DIAL_TIMEOUT = 3.0  # seconds for the asked peer's TCP connect
 ASK_TIMEOUT = DIAL_TIMEOUT + 5.0  # seconds the asker waits for one answer
 COOLDOWN = 20.0  # seconds between two checks for the same asker
@@ -159,12 +165,21 @@ async def one_per_prefix(link: Link, peers: Sequence[str]) -> list[str]:
     return kept
 
 
+def ask_order(connected: Collection[str], rng: random.Random | None = None) -> list[str]:
+    """The connected peers in a random order: connecting to us first buys no place."""
+    order = sorted(set(connected))
+    (rng or random.SystemRandom()).shuffle(order)
+    return order
+
+
 async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = None) -> Verdict:
-    """Asks up to ASKED peers (default: those we hold direct connections to) to dial us at
-    ``ports``; call on the link's loop."""
+    """Asks ASKED peers (default: those we hold direct connections to, one per prefix, in
+    ``ask_order``) to dial us at ``ports``, and up to SPLIT_ASKED if their answers disagree; call
+    on the link's loop."""
     if peers is None:
-        peers = await one_per_prefix(link, await link.connected())
-    asked = list(peers)[:ASKED]
+        peers = await one_per_prefix(link, ask_order(await link.connected()))
+    peers = list(peers)[:SPLIT_ASKED]
+    asked = peers[:ASKED]
     if not ports or not asked:
         return Verdict(UNKNOWN, (), tuple(ports))
 
@@ -180,6 +195,10 @@ async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = 
         return peer, bool(reply["ok"])
 
     answers = [(p, ok) for p, ok in await asyncio.gather(*(ask(p) for p in asked)) if ok is not None]
+    if len({ok for _, ok in answers}) > 1 and len(peers) > len(asked):  # somebody lies: ask every prefix
+        more = await asyncio.gather(*(ask(p) for p in peers[len(asked):]))
+        answers += [(p, ok) for p, ok in more if ok is not None]
+        asked = peers
     yes = sum(ok for _, ok in answers)
     mode = UNKNOWN if not answers else DIRECT if 2 * yes > len(answers) else OUTBOUND_ONLY
     return Verdict(mode, tuple(answers), tuple(ports), len(asked))

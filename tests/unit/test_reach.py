@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,7 +163,37 @@ def test_identities_of_one_prefix_that_connect_first_get_one_answer_between_them
         assert loop.run(dialback.one_per_prefix(me, loop.run(me.connected(), 5)), 5) == [liars[0], *honest]
         verdict = loop.run(dialback.check(me, [4040]), 15)
         assert verdict.mode == DIRECT, verdict
-        assert dict(verdict.answers) == {liars[0]: False, **dict.fromkeys(honest, True)}  # the attack was heard once
+        heard = dict(verdict.answers)
+        assert [ok for p, ok in heard.items() if p in liars] == [False]  # the attack was heard once
+        assert {p: ok for p, ok in heard.items() if p in honest} == dict.fromkeys(honest, True)
+    finally:
+        loop.close()
+
+
+def test_liars_on_several_prefixes_that_connect_first_are_asked_no_sooner_and_a_split_asks_every_prefix() -> None:
+    # review N3 on several prefixes: liars on 3 /24s that connect first were 3 of the 5 asked and
+    # decided; now the asked are a random draw, and answers that disagree make us ask every prefix
+    connected = ["liar0", "liar1", "liar2", "a", "b", "c", "d"]
+    orders = [tuple(dialback.ask_order(connected, random.Random(seed))) for seed in range(20)]
+    assert len(set(orders)) > 10 and all(sorted(o) == sorted(connected) for o in orders)
+    assert {o[0] for o in orders} > {"liar0", "a"}  # connecting first buys no place
+
+    loop, net = LoopThread(), MemoryNetwork()
+    me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
+    liars = [f"liar{i}" for i in range(3)]
+    honest = [f"honest{i}" for i in range(5)]
+    try:
+        for i, peer in enumerate(liars + honest):
+            link = net.link(peer, f"/ip4/192.0.{i}.7/tcp/4041")  # eight prefixes: one each
+            loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
+            assert net.dial("me", peer)
+        # the draw that favours the liars most: the three of them and two honest peers, asked first
+        peers = liars + honest
+        verdict = loop.run(dialback.check(me, [4040], peers), 15)
+        assert verdict.mode == DIRECT and verdict.asked == 8, verdict  # 3 said no, 2 yes: everyone was asked
+        assert sorted(ok for _, ok in verdict.answers) == [False] * 3 + [True] * 5
+        unanimous = loop.run(dialback.check(me, [4040], honest), 15)
+        assert unanimous.asked == dialback.ASKED and unanimous.mode == DIRECT  # no split: the first five only
     finally:
         loop.close()
 
