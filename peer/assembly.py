@@ -83,7 +83,7 @@ class Peer:
         ctx = PeerContext(spec, numel, spec.codec(), link, identity, self.trust, bans, seams.behaviour, ef)
         self.averager = P2PAverager(ctx, DHTReadyBoard(dht, run_key), dht).start()
         self.heartbeat = HeartbeatPublisher(dht, identity, run_key, heartbeat_ttl(spec), say, heartbeat_level(spec))
-        self.reachability = Reachability(link, dht, say, self.reached)
+        self.reachability = Reachability(link, dht, say, self.reached, seams.rng)
         self.service = StateService(spec.spec_hash().hex(), seams.behaviour)
         dht.run(link.serve(self.service.protocol, self.service.server), timeout=10)
         self.sync = StateSync(dht, link, self.service, run_key, numel, seams.rng, heartbeat_level(spec))

@@ -19,6 +19,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,8 +173,9 @@ class Reachability:
     FEW = 3
 
     def __init__(self, link: Link, runner: LoopRunner, say: Callable[[str], None],
-                 on_change: Callable[[Verdict], None]):
+                 on_change: Callable[[Verdict], None], rng: random.Random | None = None):
         self.link, self.runner, self.say, self.on_change = link, runner, say, on_change
+        self.rng = rng  # whom to ask first (dialback.ask_order; None: the OS's randomness)
         self.verdict = Verdict(UNKNOWN, (), ())
         self._watcher: Any = None
 
@@ -205,7 +207,7 @@ class Reachability:
         """``check`` on the link's loop."""
         try:
             ports = listen_ports(await self.link.own_addrs())
-            verdict = await asyncio.wait_for(dialback_check(self.link, ports), ASK_TIMEOUT + 5)
+            verdict = await asyncio.wait_for(dialback_check(self.link, ports, rng=self.rng), ASK_TIMEOUT + 5)
         except Exception as e:  # a slow daemon: keep what we knew
             logger.info("reachability check failed: %r", e)
             return self.verdict

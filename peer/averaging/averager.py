@@ -25,7 +25,7 @@ from hivetrain.peer.averaging.agreement import held_statements
 from hivetrain.peer.averaging.allreduce import AllReduceRunner
 from hivetrain.peer.averaging.api import MAX_PIECES, AverageResult
 from hivetrain.peer.averaging.context import PeerContext
-from hivetrain.peer.averaging.cross import Desk, top_bucket, units
+from hivetrain.peer.averaging.cross import Desk, anchor_rank, top_bucket, units
 from hivetrain.peer.averaging.matchmaking import AGREE_MIN, Matchmaking
 from hivetrain.peer.averaging.ready import READ_TIMEOUT, Ready, ReadyBoard, grown
 from hivetrain.peer.averaging.ready import level as ready_level
@@ -177,7 +177,9 @@ class P2PAverager:
         self._enter(round_)
         level_ = self.level(population)
         mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base, level_)
-        desk = self._desk(round_, base, level_) if ctx.spec.cross_groups else None
+        # (round 0's population is nobody's to know: a target group's, as the least a run starts with)
+        mm.anchor_rank = anchor_rank(self.base_population(population) or ctx.spec.target_group_size, level_)
+        desk = self._desk(round_, base, level_, mm.anchor_rank) if ctx.spec.cross_groups else None
         mm.outlive = self.announced.get(round_, 0.0)
         previous = self.sessions.get(round_ - 1)
         if previous is not None:  # the peers we just completed (or tried) a round with: likely ready soon
@@ -284,15 +286,15 @@ class P2PAverager:
         """Seconds within which peers still matching when we went alone must have ended the round."""
         return self.ctx.spec.matchmaking_timeout + self.ctx.spec.allreduce_timeout + SETTLE_MARGIN
 
-    def _desk(self, round_: int, base: str, level_: int) -> Desk:
+    def _desk(self, round_: int, base: str, level_: int, rank: int) -> Desk:
         desk = self.desks.get(round_)
-        if desk is None or desk.base != base or desk.level != level_:
+        if desk is None or desk.base != base or desk.level != level_ or desk.rank != rank:
             if desk is not None:
                 desk.stop()
             desk = self.desks[round_] = Desk(self.ctx, self.board, round_, base,
                                              lambda header, body: self._local_mean(round_, header, body),
                                              lambda: self._own_record(round_, base), level_,
-                                             lambda peer: self._silent(round_, base, peer))
+                                             lambda peer: self._silent(round_, base, peer), rank)
         return desk
 
     def _silent(self, round_: int, base: str, peer: str) -> bool:
@@ -428,7 +430,7 @@ class P2PAverager:
             return self.refusal(header, Code.NOT_READY, "we are not forming that round's group from that base")
         if body_len > self.max_body:
             return self.refusal(header, Code.WRONG_SIZE, "too large")
-        return _CrossTicket(self, self._desk(round_, header["base"], mm.level), sender, header)
+        return _CrossTicket(self, self._desk(round_, header["base"], mm.level, mm.anchor_rank), sender, header)
 
     def _on_view(self, sender: str, header: dict[str, Any]) -> Reply:
         round_, base = header["round"], header["base"]

@@ -6,8 +6,13 @@ dealt among any group's reducers by their claims), and shard k is cut again into
 (``Plan.subs``). Each sub-piece (k, j) has a *designee*: the peer that averages it across groups.
 
 Designees are derived, never chosen: every peer reads the round's ready board once it has settled
-(``read_plan``): the peers ready at our base within DESIGNATE_WINDOW seconds of the earliest ready
-record, that can be dialed, are the round's designees; the designee of (k, j) is the first of them
+(``read_plan``). The round's *anchor* is the k-th earliest ready record at our base, k = a third of
+the bucket's expected peers + 1 (``anchor_rank``: from the base state's population, the same for
+every peer at it; 1 in round 0, whose population nobody knows): identities that publish their
+ready records before anyone trained (or claim any earlier time) are fewer than k, so they set
+neither the round's clock nor its designees. The peers ready at our base within DESIGNATE_WINDOW
+seconds of the anchor (either side; after it, for k = 1), that can be dialed, are the round's
+designees; the designee of (k, j) is the first of them
 by weighted rendezvous hashing of (round, base, k, j) (weights: their uplink claims, so a slow peer
 is designated less), the second and third take over when it cannot be reached. S is chosen so that
 the U x S sub-pieces are about as many as the designees: each designee averages about one, and a
@@ -19,7 +24,7 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    the members' own signatures of the parts they sent it (``vouch``): the designee counts in the
    weight only members that vouched, that it saw ready on its board, each in one group.
 2. The designee (``Desk``) waits until the groups it received cover every peer in the round: ready
-   at our base by the round's *cutoff* (the earliest ready record + ``matchmaking_timeout``, the
+   at our base by the round's *cutoff* (the anchor + ``matchmaking_timeout``, the
    grace any straggler gets), less the peers whose round failed (they publish their ready record
    again with ``out`` and their group: a peer two of them name is out too). It waits at most
    LONG_WAIT x ``allreduce_timeout`` past the first arrival (a group that died), then computes the
@@ -82,7 +87,7 @@ from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.wire import MAX_GROUP, MAX_PIECES, VOUCH_LEN, ZERO, Code
 
 logger = logging.getLogger(__name__)
-DESIGNATE_WINDOW = 1.0  # s after the earliest ready record: peers ready by then are the round's designees ...
+DESIGNATE_WINDOW = 1.0  # s either side of the anchor (after it, for rank 1): peers ready then are the round's designees ...
 SETTLE = 1.0  # s more before the designees are read (a record stored by then is on every reader's board)
 # (each at most a quarter of the run's matchmaking_timeout: ``windows``)
 MAX_SUBS = 64  # sub-pieces per shard
@@ -180,7 +185,7 @@ class Plan:
     weights: dict[str, float]
     units: int  # shards of the round (U)
     numel: int
-    t0: float = 0.0  # unix time of the earliest ready record at the base: the round's cutoff counts from it
+    t0: float = 0.0  # unix time of the anchor (``anchor``) at the base: the round's cutoff counts from it
     ready: frozenset[str] = frozenset()  # every peer ready at the base when the plan was read (the buckets read)
     width: int = 0  # designees the sub-pieces are cut for: the top bucket's (0: ours)
 
@@ -205,14 +210,32 @@ class Plan:
         return [(start + a, start + b) for a, b in shard_bounds(end - start, self.subs)]
 
 
+def anchor_rank(population: int, level: int = 0) -> int:
+    """Which ready record anchors a bucket's round (``anchor``): the k-th earliest, k = a third of
+    the bucket's expected peers + 1 (the base state's population, the same for every peer at it),
+    so that fewer identities than a third of the bucket cannot set the round's clock, whatever
+    times they claim. 1 for a population unknown (round 0's, without ``expected_peers``): counting
+    the records read instead made peers that read at different times derive different plans."""
+    return (population >> level) // 3 + 1
+
+
+def anchor(records: Sequence[Ready], rank: int = 1) -> float | None:
+    """The round's anchor time from the bucket's ready records at our base: the ``rank``-th earliest
+    ``eta`` (the latest when fewer are ready: a run smaller than its state's population); None if
+    none is ready."""
+    etas = sorted(r.eta for r in records)
+    return etas[min(rank, len(etas)) - 1] if etas else None
+
+
 def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: int, numel: int,
-           window: float = DESIGNATE_WINDOW) -> Plan:
+           window: float = DESIGNATE_WINDOW, rank: int = 1) -> Plan:
     """The plan from a board's records (pure): see the module doc."""
     ready = [r for r in records if r.done and r.base == base and r.spec == run and r.round == round_]
-    if not ready:
+    t0 = anchor(ready, rank)
+    if t0 is None:
         return Plan(round_, base, (), {}, units_, numel, 0.0)
-    t0 = min(r.eta for r in ready)
-    early = [r for r in ready if r.eta <= t0 + window]
+    early = [r for r in ready if t0 - window <= r.eta <= t0 + window] if rank > 1 else \
+        [r for r in ready if r.eta <= t0 + window]
     # nobody dials a closed peer; if every early peer is closed, each can still be its own designee
     chosen = {r.peer_id: r.up for r in early if not r.closed} or {r.peer_id: r.up for r in early}
     weights = rates.weights(sorted(chosen), chosen)  # (unknown: the median; at most 4x it)
@@ -235,14 +258,14 @@ def bucket_label(run: str, round_: int, base: str, bucket: int) -> str:
 
 async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_: int, numel: int,
                     own: Ready | None = None, timing: tuple[float, float] = (DESIGNATE_WINDOW, SETTLE),
-                    level: int = 0, me: str = "", grace: float = 0.0) -> tuple[Plan, Plan]:
+                    level: int = 0, me: str = "", grace: float = 0.0, rank: int = 1) -> tuple[Plan, Plan]:
     """(ours, top): the designees of our bucket (they average our bucket's groups) and of the round's
     top bucket (they average the buckets' means and sign what everyone applies); one plan, both, at
     level 0. Two buckets are read, whatever the run's size: ours and the top one (the first bucket
     from ``top_bucket`` on with a ready record at our base). Each is read until it has settled for
-    the designees (SETTLE past the window of its earliest ready record). ``own``: our record,
-    first-hand (it may not be stored yet); ``grace``: the run's matchmaking_timeout. RoundFailed if
-    nobody is on the board."""
+    the designees (SETTLE past the window of its anchor). ``own``: our record,
+    first-hand (it may not be stored yet); ``grace``: the run's matchmaking_timeout; ``rank``:
+    ``anchor_rank`` of a bucket. RoundFailed if nobody is on the board."""
     ours = bucket_of(round_, me, level) if me else 0
     top = top_bucket(round_, base, level)
     for _ in range(100):
@@ -256,17 +279,18 @@ async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_:
         if not ready.get(top):
             # a top bucket still empty when the round's stragglers are late (our bucket's cutoff): the
             # next one is the top (every reader moves on alike; records come in seconds, not a cutoff)
-            if top != ours and ready.get(ours) and clock.wall() >= min(r.eta for r in ready[ours]) + grace + timing[1]:
+            t0 = anchor(ready.get(ours, []), rank)
+            if top != ours and t0 is not None and clock.wall() >= t0 + grace + timing[1]:
                 top = (top + 1) % (1 << level)
                 continue
             await asyncio.sleep(POLL)
             continue
-        settled = max(min(r.eta for r in rs) + timing[0] + timing[1] for rs in ready.values() if rs)
+        settled = max(t + timing[0] + timing[1] for rs in ready.values() if (t := anchor(rs, rank)) is not None)
         if clock.wall() < settled:
             await asyncio.sleep(min(settled - clock.wall() + 0.01, 30.0))
             continue
-        up = derive(by_bucket[top], round_, base, run, units_, numel, timing[0])
-        mine = derive(by_bucket.get(ours, []), round_, base, run, units_, numel, timing[0])
+        up = derive(by_bucket[top], round_, base, run, units_, numel, timing[0], rank)
+        mine = derive(by_bucket.get(ours, []), round_, base, run, units_, numel, timing[0], rank)
         if up.designees:
             everyone = frozenset(sorted(up.ready | mine.ready)[:MAX_DESIGNEES])
             up = dataclasses.replace(up, ready=everyone)
@@ -379,8 +403,9 @@ class Desk:
 
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str,
                  local: Callable[[dict[str, Any], bytes], None], own: Callable[[], Ready | None], level: int = 0,
-                 silent: Callable[[str], bool] = lambda peer: False):
+                 silent: Callable[[str], bool] = lambda peer: False, rank: int = 1):
         self.ctx, self.board, self.round, self.base = ctx, board, round_, base
+        self.rank = rank  # which ready record of a bucket anchors the round (``anchor_rank``)
         self.silent = silent  # a peer that showed us no sign of life in the round: in no group of ours, weighs nothing
         self.level = level  # the round's ready records are in 2^level buckets (ready.py)
         self.local = local  # delivers a mean to ourselves (we reduced that shard in our own group)
@@ -421,7 +446,7 @@ class Desk:
         if self._planning is None:
             self._planning = asyncio.ensure_future(read_plan(
                 self.board, self.round, self.base, self.ctx.run, self.units_, self.ctx.numel, self.own(), self.timing,
-                self.level, self.ctx.me, self.ctx.spec.matchmaking_timeout))
+                self.level, self.ctx.me, self.ctx.spec.matchmaking_timeout, self.rank))
         mine, plan = await asyncio.shield(self._planning)
         self.mine, self.plan = mine, plan
         self._seen(mine.ready)
@@ -449,7 +474,7 @@ class Desk:
         for r in await self.board.read(self.round, self.level):
             by_bucket.setdefault(bucket_of(self.round, r.peer_id, self.level), []).append(r)
         return {b: dataclasses.replace(derive(rs, self.round, self.base, self.ctx.run, self.units_, self.ctx.numel,
-                                              self.timing[0]), width=len(self.plan.designees))
+                                              self.timing[0], self.rank), width=len(self.plan.designees))
                 for b, rs in by_bucket.items()}
 
     async def accept(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[Code, str]:
@@ -643,7 +668,7 @@ class Desk:
 
     def waited(self, records: Sequence[Ready], plan: Plan | None = None) -> set[str]:
         """The peers in the round, from the board: ready at our base by the round's cutoff (the
-        earliest ready record + ``matchmaking_timeout``, the grace any straggler gets) and, until
+        anchor + ``matchmaking_timeout``, the grace any straggler gets) and, until
         the cutoff has settled, those that announced it and are not ready elsewhere; less those
         whose round failed (``out``: they said so, and named their group). A peer ready later is
         late: a group of late peers that arrives before the means are computed is in them, the

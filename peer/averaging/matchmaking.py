@@ -72,6 +72,7 @@ class Matchmaking:
     def __init__(self, ctx: PeerContext, board: ReadyBoard, round_: int, base: str, level: int = 0):
         self.ctx, self.board = ctx, board
         self.level = level  # the round has 2^level ready buckets; we read ours alone (peer/averaging/ready.py)
+        self.anchor_rank = 1  # which ready record of a bucket anchors the round's cross stage (cross.anchor_rank)
         self.bucket = bucket_of(round_, ctx.me, level)
         # our reachability and uplink claim are fixed for the round
         self.view = View(round_, base, ctx.me, me_closed=ctx.closed, me_up=ctx.rates.claim(), order=self._priority)

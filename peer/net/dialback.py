@@ -172,12 +172,13 @@ def ask_order(connected: Collection[str], rng: random.Random | None = None) -> l
     return order
 
 
-async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = None) -> Verdict:
+async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = None,
+                rng: random.Random | None = None) -> Verdict:
     """Asks ASKED peers (default: those we hold direct connections to, one per prefix, in
     ``ask_order``) to dial us at ``ports``, and up to SPLIT_ASKED if their answers disagree; call
     on the link's loop."""
     if peers is None:
-        peers = await one_per_prefix(link, ask_order(await link.connected()))
+        peers = await one_per_prefix(link, ask_order(await link.connected(), rng))
     peers = list(peers)[:SPLIT_ASKED]
     asked = peers[:ASKED]
     if not ports or not asked:

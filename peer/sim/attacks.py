@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -491,7 +492,20 @@ async def ready_ahead(swarm: Swarm, attackers: list[SimPeer], ttl: float, poll: 
                 for peer in attackers:
                     ready = Ready(peer.id, round_, base, spec_hash, round_ == r, clock.wall(), False)
                     await swarm.dht.store(client(swarm, peer), sign(peer.identity, swarm.run_key, ready, ttl))
+                    if ready.done:
+                        peer.log.append(f"ready ahead: round {round_} eta {ready.eta!r}")
         await asyncio.sleep(poll)
+
+
+def ready_ahead_etas(result: Result) -> dict[int, float]:
+    """round -> the earliest ``eta`` an attacker's ``ready_ahead`` published for it."""
+    out: dict[int, float] = {}
+    for p in result.peers:
+        for line in p.log if not p.honest else ():
+            if line.startswith("ready ahead: round "):
+                _, _, _, r, _, eta = line.split()
+                out[int(r)] = min(out.get(int(r), math.inf), float(eta))
+    return out
 
 
 class ReadyFlood(Attack):
@@ -867,7 +881,14 @@ class EarlyReady(Attack):
         bad = attacker_ids(result)
         first = [(i, r) for i, inc in incarnations(result) for r, desk in inc.averager.desks.items()
                  if desk.plan is not None and desk.plan.designees and set(desk.plan.designees) <= bad]
-        return f"{len(first)} honest peer-rounds whose designees were all attackers" if first else None
+        etas = ready_ahead_etas(result)
+        ahead = [(i, r) for i, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                 if desk.plan is not None and r in etas and etas[r] < desk.plan.t0 and bad & desk.plan.ready]
+        if not first and not ahead:
+            return None
+        return (f"{len(ahead)} honest plans read an attacker's ready record before their anchor (rounds "
+                f"{sorted({r for _, r in ahead})}); {len(first)} honest peer-rounds whose designees were all "
+                f"attackers (rounds {sorted({r for _, r in first})})")
 
 
 class LyingDesignee(Attack):

@@ -17,6 +17,8 @@ from hivetrain.peer.averaging.cross import (
     MAX_EARLY_WORDS,
     POLL,
     Desk,
+    anchor,
+    anchor_rank,
     bucket_label,
     derive,
     read_plan,
@@ -48,6 +50,26 @@ def test_the_designees_are_the_open_peers_ready_in_the_first_window() -> None:
     # if every early peer is closed, each is its own designee rather than none
     only_closed = derive([ready("p3", t0, closed=True)], 3, BASE, RUN, units_=8, numel=1 << 16)
     assert only_closed.designees == ("p3",)
+
+
+def test_identities_ready_early_neither_set_the_rounds_clock_nor_are_its_designees() -> None:
+    # the designee class of step 14: one identity that published its ready record as soon as the base
+    # was known (it need not train) was the round's earliest record, so it set the cutoff and was the
+    # only designee of every sub-piece. The anchor is now the k-th earliest record, k = a third of the
+    # bucket's expected peers (the base state's population) + 1
+    assert [anchor_rank(p) for p in (0, 2, 3, 8, 9)] == [1, 1, 2, 3, 4]
+    assert anchor_rank(64, level=2) == 6  # 16 peers expected in each of 4 buckets
+    t0 = 1000.0
+    honest = [ready(f"h{i}", t0 + 0.3 * i) for i in range(6)]
+    early = [ready("x1", t0 - 60), ready("x2", t0 - 59.5)]  # claimed times: any, and backdated ones too
+    plan = derive(honest + early, 3, BASE, RUN, units_=8, numel=1 << 16, rank=anchor_rank(8))
+    assert plan.t0 == t0 and set(plan.designees) == {"h0", "h1", "h2", "h3"}  # the window: 1 s either side
+    assert anchor(honest, 3) == t0 + 0.6  # without them, the third honest record: two moved it 2 places, no more
+    old = derive(honest + early, 3, BASE, RUN, units_=8, numel=1 << 16)  # the old rule (rank 1)
+    assert old.t0 == t0 - 60 and set(old.designees) == {"x1", "x2"}
+    # fewer ready than the rank (a run smaller than its state's population): the latest anchors
+    assert derive(honest[:2], 3, BASE, RUN, units_=8, numel=1 << 16, rank=3).t0 == t0 + 0.3
+    assert anchor([], 3) is None
 
 
 def test_a_faster_designee_is_ranked_first_more_often() -> None:
