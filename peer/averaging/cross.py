@@ -8,10 +8,11 @@ dealt among any group's reducers by their claims), and shard k is cut again into
 Designees are derived, never chosen: every peer reads the round's ready board once it has settled
 (``read_plan``). The round's *anchor* is the k-th earliest ready record at our base, k = a third of
 the bucket's expected peers + 1 (``anchor_rank``: from the base state's population, the same for
-every peer at it; 1 in round 0, whose population nobody knows): identities that publish their
-ready records before anyone trained (or claim any earlier time) are fewer than k, so they set
-neither the round's clock nor its designees. The peers ready at our base within DESIGNATE_WINDOW
-seconds of the anchor (either side; after it, for k = 1), that can be dialed, are the round's
+every peer at it; in round 0, whose population nobody knows, ``expected_peers`` or else the
+target group size): identities that publish their ready records before anyone trained (or claim
+any earlier time) are fewer than k, so they set neither the round's clock nor its designees. The
+peers ready at our base within DESIGNATE_WINDOW seconds of the anchor, either side, that can be
+dialed, are the round's
 designees; the designee of (k, j) is the first of them
 by weighted rendezvous hashing of (round, base, k, j) (weights: their uplink claims, so a slow peer
 is designated less), the second and third take over when it cannot be reached. S is chosen so that
@@ -87,7 +88,7 @@ from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.wire import MAX_GROUP, MAX_PIECES, VOUCH_LEN, ZERO, Code
 
 logger = logging.getLogger(__name__)
-DESIGNATE_WINDOW = 1.0  # s either side of the anchor (after it, for rank 1): peers ready then are the round's designees ...
+DESIGNATE_WINDOW = 1.0  # s either side of the anchor: peers ready then are the round's designees ...
 SETTLE = 1.0  # s more before the designees are read (a record stored by then is on every reader's board)
 # (each at most a quarter of the run's matchmaking_timeout: ``windows``)
 MAX_SUBS = 64  # sub-pieces per shard
@@ -214,8 +215,9 @@ def anchor_rank(population: int, level: int = 0) -> int:
     """Which ready record anchors a bucket's round (``anchor``): the k-th earliest, k = a third of
     the bucket's expected peers + 1 (the base state's population, the same for every peer at it),
     so that fewer identities than a third of the bucket cannot set the round's clock, whatever
-    times they claim. 1 for a population unknown (round 0's, without ``expected_peers``): counting
-    the records read instead made peers that read at different times derive different plans."""
+    times they claim. The caller gives round 0 (no population yet) ``expected_peers`` or the target
+    group size: counting the records read instead made peers that read at different times derive
+    different plans."""
     return (population >> level) // 3 + 1
 
 
@@ -234,8 +236,7 @@ def derive(records: Sequence[Ready], round_: int, base: str, run: str, units_: i
     t0 = anchor(ready, rank)
     if t0 is None:
         return Plan(round_, base, (), {}, units_, numel, 0.0)
-    early = [r for r in ready if t0 - window <= r.eta <= t0 + window] if rank > 1 else \
-        [r for r in ready if r.eta <= t0 + window]
+    early = [r for r in ready if t0 - window <= r.eta <= t0 + window]  # (rank 1: t0 is the earliest)
     # nobody dials a closed peer; if every early peer is closed, each can still be its own designee
     chosen = {r.peer_id: r.up for r in early if not r.closed} or {r.peer_id: r.up for r in early}
     weights = rates.weights(sorted(chosen), chosen)  # (unknown: the median; at most 4x it)

@@ -145,20 +145,27 @@ def test_the_first_peer_of_a_run_says_it_does_not_know_yet() -> None:
         "reachability: reachable directly (2 of 2 peers could dial us at port 31337)")
 
 
+def _connected_to(peers: dict[str, str], honest: list[str]) -> tuple[Any, LoopThread]:
+    """Us at port 4040, connected to each of ``peers`` (id -> address); those in ``honest`` answer
+    every check "could dial you", the others "could not"."""
+    loop, net = LoopThread(), MemoryNetwork()
+    me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
+    for peer, addr in peers.items():
+        link = net.link(peer, addr)
+        loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
+        assert net.dial("me", peer)
+    return me, loop
+
+
 def test_identities_of_one_prefix_that_connect_first_get_one_answer_between_them_review_n3() -> None:
     """Three identities on one /24 connect to us first and answer every check "could not reach you";
     three peers on three other /24s could. One answer per prefix: we are reachable. (Before, the
     three first connections were the three asked, and every honest public peer turned outbound-only.)"""
-    loop, net = LoopThread(), MemoryNetwork()
-    me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
     liars = [f"liar{i}" for i in range(3)]
     honest = [f"honest{i}" for i in range(3)]
+    me, loop = _connected_to({p: f"/ip4/203.0.113.{10 + i}/tcp/4041" if p in liars else f"/ip4/192.0.{i}.7/tcp/4041"
+                              for i, p in enumerate(liars + honest)}, honest)
     try:
-        for i, peer in enumerate(liars + honest):
-            addr = f"/ip4/203.0.113.{10 + i}/tcp/4041" if peer in liars else f"/ip4/192.0.{i}.7/tcp/4041"
-            link = net.link(peer, addr)
-            loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
-            assert net.dial("me", peer)
         assert loop.run(me.connected(), 5)[:3] == liars  # the liars are the first connections
         assert loop.run(dialback.one_per_prefix(me, loop.run(me.connected(), 5)), 5) == [liars[0], *honest]
         verdict = loop.run(dialback.check(me, [4040]), 15)
@@ -178,15 +185,10 @@ def test_liars_on_several_prefixes_that_connect_first_are_asked_no_sooner_and_a_
     assert len(set(orders)) > 10 and all(sorted(o) == sorted(connected) for o in orders)
     assert {o[0] for o in orders} > {"liar0", "a"}  # connecting first buys no place
 
-    loop, net = LoopThread(), MemoryNetwork()
-    me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
     liars = [f"liar{i}" for i in range(3)]
     honest = [f"honest{i}" for i in range(5)]
+    me, loop = _connected_to({p: f"/ip4/192.0.{i}.7/tcp/4041" for i, p in enumerate(liars + honest)}, honest)  # 8 /24s
     try:
-        for i, peer in enumerate(liars + honest):
-            link = net.link(peer, f"/ip4/192.0.{i}.7/tcp/4041")  # eight prefixes: one each
-            loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
-            assert net.dial("me", peer)
         # the draw that favours the liars most: the three of them and two honest peers, asked first
         peers = liars + honest
         verdict = loop.run(dialback.check(me, [4040], peers), 15)
