@@ -927,14 +927,38 @@ class FlippingDesignee(LyingDesignee):
         return ShiftedMean(-1.0)
 
 
+class DrawnDesignee(Attack):
+    name = "drawn_designee"
+    about = ("an identity that behaves honestly in every stage (its ready record at the time it trained, so it "
+             "is one designee among those near the anchor) and signs every mean it draws times -1: the update "
+             "reversed, within the bound a mean is checked against (cross.py MEAN_BOUND)")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return ShiftedMean(-1.0)
+
+    def happened(self, result: Result) -> str | None:
+        honest = {p.id for p in result.honest()}
+        told = [(r, k) for p in result.peers if not p.honest for inc in p.incarnations
+                for r, desk in inc.averager.desks.items() for (_, k, _), u in desk.work.items()
+                if u.out is not None and u.out[1] and any(e.holder in honest for e in u.entries.values())]
+        if not told:
+            return None
+        bad = attacker_ids(result)
+        refused = [(i, rec["round"]) for i, rec in honest_rounds(result)
+                   if any(p in bad and "too far" in str(why) for p, why in dict(rec.get("excluded") or {}).items())]
+        return (f"{len(told)} reversed means of sub-pieces drawn by an attacker sent to honest reducers in rounds "
+                f"{sorted({r for r, _ in told})}; {len(refused)} honest peer-rounds refused an attacker's mean")
+
+
 LIBRARY: dict[str, Attack] = {a.name: a for a in (
     Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
     DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
     OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup(), EarlyReady(), LyingDesignee(),
-    FlippingDesignee())}
+    FlippingDesignee(), DrawnDesignee())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
 # the attacks the search's small and large families draw from (peer/sim/search.py): fixed, so that a
 # documented seed keeps its schedule when the library grows; later attacks are drawn by later families
 FIRST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:16]
 SLOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:17]  # (the slow family's)
-ANY_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:18]  # (the ANY family's; the whole library from LATEST_SEEDS on)
+ANY_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:18]  # (the ANY family's)
+LATEST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:21]  # (the LATEST family's; the whole library from NOW_SEEDS on)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hivetrain.peer.sim.attacks import ANY_ATTACKS, FIRST_ATTACKS, LIBRARY, SLOW_ATTACKS
+from hivetrain.peer.sim.attacks import ANY_ATTACKS, FIRST_ATTACKS, LATEST_ATTACKS, LIBRARY, SLOW_ATTACKS
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
 from hivetrain.peer.sim.swarm import Event, Probe, Result, Scenario, simulate
 
@@ -66,7 +66,8 @@ class Violation:
 LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
 RELAY_SEEDS = 2_000_000  # ... and from here the slow family: a third of the peers on slow links
 ANY_SEEDS = 3_000_000  # ... and from here the small family's runs with any of the library's first 18 attacks
-LATEST_SEEDS = 4_000_000  # ... and from here with any attack of the library as it is now
+LATEST_SEEDS = 4_000_000  # ... and from here with any of its first 21 attacks
+NOW_SEEDS = 5_000_000  # ... and from here with any attack of the library as it is now
 
 
 def schedule(seed: int) -> Scenario:
@@ -75,11 +76,14 @@ def schedule(seed: int) -> Scenario:
     records and heartbeats spread over buckets and many groups meet in the cross-group stage (the
     small family never exercises either); seeds below keep the schedules documented before it.
     From ``RELAY_SEEDS`` on, the slow family (``_slow``); from ``ANY_SEEDS`` on, the small family's
-    runs drawing from the library's first 18 attacks (``ANY_ATTACKS``), and from ``LATEST_SEEDS`` on
-    from the whole library: every family's list is frozen, so that a documented seed keeps its
-    schedule when the library grows; a new attack is drawn from LATEST_SEEDS on."""
+    runs drawing from the library's first 18 attacks (``ANY_ATTACKS``), from ``LATEST_SEEDS`` on from
+    its first 21 (``LATEST_ATTACKS``), and from ``NOW_SEEDS`` on from the whole library: every
+    family's list but the last is frozen, so that a documented seed keeps its schedule when the
+    library grows; a new attack is drawn from NOW_SEEDS on."""
+    if seed >= NOW_SEEDS:
+        return _small(seed, random.Random(f"search-now/{seed}"), tuple(LIBRARY))
     if seed >= LATEST_SEEDS:
-        return _small(seed, random.Random(f"search-latest/{seed}"), tuple(LIBRARY))
+        return _small(seed, random.Random(f"search-latest/{seed}"), LATEST_ATTACKS)
     if seed >= ANY_SEEDS:
         return _small(seed, random.Random(f"search-any/{seed}"), ANY_ATTACKS)
     if seed >= RELAY_SEEDS:

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from bench import swarm as bench
-from hivetrain.peer.sim.attacks import ANY_ATTACKS, ATTACK_NAMES, FIRST_ATTACKS
+from hivetrain.peer.sim.attacks import ANY_ATTACKS, ATTACK_NAMES, FIRST_ATTACKS, LATEST_ATTACKS
 from hivetrain.peer.sim.measure import bandwidth_bound
 from hivetrain.peer.sim.search import (
     ANY_SEEDS,
     LARGE_SEEDS,
     LATEST_SEEDS,
     MAX_CONTAINER,
+    NOW_SEEDS,
     RELAY_SEEDS,
     check,
     schedule,
@@ -115,9 +116,12 @@ def test_the_bandwidth_bound_lets_a_slow_member_send_its_parts_once() -> None:
 
 
 def test_each_search_family_draws_its_own_frozen_attacks_and_the_latest_the_whole_library() -> None:
-    # (a documented seed keeps its schedule when the library grows: only the latest family sees new attacks)
+    # (a documented seed keeps its schedule when the library grows: only the last family sees new attacks)
     assert ATTACK_NAMES[:len(FIRST_ATTACKS)] == FIRST_ATTACKS and ATTACK_NAMES[:len(ANY_ATTACKS)] == ANY_ATTACKS
+    assert ATTACK_NAMES[:len(LATEST_ATTACKS)] == LATEST_ATTACKS
     small = {a for s in range(300) for a in schedule(s).attacks}
     any_ = {a for s in range(ANY_SEEDS, ANY_SEEDS + 300) for a in schedule(s).attacks}
     latest = {a for s in range(LATEST_SEEDS, LATEST_SEEDS + 300) for a in schedule(s).attacks}
-    assert small == set(FIRST_ATTACKS) and any_ == set(ANY_ATTACKS) and latest == set(ATTACK_NAMES)
+    now = {a for s in range(NOW_SEEDS, NOW_SEEDS + 300) for a in schedule(s).attacks}
+    assert small == set(FIRST_ATTACKS) and any_ == set(ANY_ATTACKS) and latest == set(LATEST_ATTACKS)
+    assert now == set(ATTACK_NAMES)
