@@ -238,7 +238,7 @@ class AllReduceRunner:
         assert self.desk is not None
         return self._header("cross", k, sub=j, members=list(self.session.order), weight=weight, result=result,
                             enc=enc, attest=attest, ok=ok, tier=0, bucket=self.desk.bucket, groups=1,
-                            vouch=b"" if attest else self._vouch_of(k))
+                            vouch=b"" if attest else self._vouch_of(k), witness="")
 
     def _vouch_of(self, k: int) -> bytes:
         """The members' words that they are in our group (their signed parts of shard ``k``, ours
@@ -276,13 +276,14 @@ class AllReduceRunner:
         s, ctx = self.session, self.ctx
         assert s.plan is not None
         header = self._cross_header(k, j, weight, enc, body, False, True)
-        skip: set[str] = set()
+        skip: set[str] = set()  # designees that did not take it
+        failed: set[tuple[str, str]] = set()  # pairs that took it and sent no mean we could apply
         # (as long as a designee may wait; with buckets, its bucket's mean waits again at the top)
         tiers = 2 if self.desk is not None and self.desk.level > 0 else 1
         patience = tiers * (LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN)
         try:
             while True:
-                taker = await self._to_designee(k, j, header, body, skip)
+                taker, witness = await self._to_pair(k, j, header, body, skip, failed)
                 s.refused.pop((k, j), None)
                 try:
                     await s.wait_for(lambda: (k, j) in s.cross or (k, j) in s.refused,
@@ -292,14 +293,14 @@ class AllReduceRunner:
                         raise
                     logger.warning("round %d: designee %s took sub-piece (%d, %d) and sent no mean in %.0f s; "
                                    "asking the next", s.round, taker, k, j, patience)
-                    skip.add(taker)
+                    self._failed(taker, witness, skip, failed)
                     continue
                 if (k, j) in s.cross:
                     return
                 # its mean lies further from our values than honest groups' can (session._far): the next
-                logger.warning("round %d: refused the mean of sub-piece (%d, %d) that %s took; asking the next",
-                               s.round, k, j, taker)
-                skip.add(taker)
+                logger.warning("round %d: refused the mean of sub-piece (%d, %d) that %s took, or its witness did not "
+                               "countersign it; asking the next", s.round, k, j, taker)
+                self._failed(taker, witness, skip, failed)
         except RoundFailed as e:
             if (k, j) in s.cross:
                 return
@@ -351,6 +352,48 @@ class AllReduceRunner:
                 logger.info("round %d: vouching for sub-piece (%d, %d): %s", s.round, k, j, error)
             elif error is not None:
                 raise error
+
+    @staticmethod
+    def _failed(taker: str, witness: str, skip: set[str], failed: set[tuple[str, str]]) -> None:
+        """A designee (and its witness) that took a sub-piece and sent no mean we could apply: which of
+        the two failed us we cannot tell, so the pair is not asked again (a designee alone: it is not)."""
+        if witness:
+            failed.add((taker, witness))
+        else:
+            skip.add(taker)
+
+    async def _to_pair(self, k: int, j: int, header: dict[str, Any], body: bytes, skip: set[str],
+                       failed: set[tuple[str, str]]) -> tuple[str, str]:
+        """Sends one sub-piece to a pair of its designees: the designee, which averages it, and its
+        witness, which checks that mean (cross.py ``check``); both are told which is the witness.
+        The pair is the first in ranked order, (1, 2), (1, 3), (2, 3), (1, 4) ..., of designees that
+        did not refuse it (``skip``) and that did not fail us before (``failed``). Returns (designee,
+        witness). A designee that does not take it is added to ``skip``, and the next pair is asked.
+        (One designee: to it alone, unchecked.)"""
+        assert self.desk is not None and self.desk.mine is not None
+        plan = self.desk.mine
+        if not plan.needs_witness(k, j):
+            return await self._to_designee(k, j, header, body, skip), ""
+        why = "every designee was tried"
+        ranked = plan.ranked(k, j)
+        while True:
+            pairs = [(a, b) for bi, b in enumerate(ranked) for a in ranked[:bi]
+                     if a not in skip and b not in skip and (a, b) not in failed]
+            if not pairs:
+                raise RoundFailed(reason(f"no two designees took sub-piece ({k}, {j}): {why}"))
+            pair = pairs[0]
+            told = dict(header, witness=pair[1])
+            got = await asyncio.gather(*(self._offer(d, k, j, told, body) for d in pair), return_exceptions=True)
+            for d, outcome in zip(pair, got, strict=True):
+                if isinstance(outcome, RoundFailed):
+                    why = str(outcome)
+                    logger.info("round %d: designee %s of sub-piece (%d, %d) did not take it: %s", self.session.round,
+                                d, k, j, why)
+                    skip.add(d)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+            if not any(isinstance(outcome, BaseException) for outcome in got):
+                return pair
 
     async def _to_designee(self, k: int, j: int, header: dict[str, Any], body: bytes,
                            skip: set[str] | frozenset[str] = frozenset()) -> str:

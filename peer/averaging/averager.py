@@ -96,6 +96,16 @@ class _CrossTicket:
         pass
 
 
+class _CheckTicket(_CrossTicket):
+    """The link's ``Ticket`` for another designee's mean sent to us as its witness (cross.py ``check``)."""
+
+    async def complete(self, body: bytes) -> Reply:
+        code, why, sig = await self.desk.check(self.sender, self.header, body)
+        h = self.header
+        return self.averager.ctx.header("cross_sig", h["round"], h["base"], shard=h["shard"], sub=h["sub"],
+                                        code=int(code), reason=reason(why), sig=sig), b""
+
+
 class _ReturnTicket(_CrossTicket):
     """The link's ``Ticket`` for a top designee's mean of a sub-piece our bucket sent up."""
 
@@ -359,7 +369,7 @@ class P2PAverager:
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         kind = header["type"]
-        if kind not in ("view", "cross", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
+        if kind not in ("view", "cross", "cross_check", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
             return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
         round_ = header["round"]
         if header["run"] != self.ctx.run:
@@ -372,7 +382,7 @@ class P2PAverager:
                 header, Code.WRONG_SIZE, "a view request has no body")
         if not self.current_round - 1 <= round_ <= self.current_round + 1:
             return self.refusal(header, Code.FOREIGN, f"round {round_} is not near ours ({self.current_round})")
-        if kind == "cross":
+        if kind in ("cross", "cross_check"):
             return self._admit_cross(sender, header, body_len)
         session = self.sessions.get(round_)
         desk = self.desks.get(round_)
@@ -430,7 +440,8 @@ class P2PAverager:
             return self.refusal(header, Code.NOT_READY, "we are not forming that round's group from that base")
         if body_len > self.max_body:
             return self.refusal(header, Code.WRONG_SIZE, "too large")
-        return _CrossTicket(self, self._desk(round_, header["base"], mm.level, mm.anchor_rank), sender, header)
+        desk = self._desk(round_, header["base"], mm.level, mm.anchor_rank)
+        return (_CheckTicket if header["type"] == "cross_check" else _CrossTicket)(self, desk, sender, header)
 
     def _on_view(self, sender: str, header: dict[str, Any]) -> Reply:
         round_, base = header["round"], header["base"]

@@ -51,6 +51,11 @@ class Behaviour:
         """The mean of sub-piece (``shard``, ``sub``) we averaged across groups as a designee, as we send it."""
         return mean
 
+    def countersigns(self, round_: int, shard: int, sub: int, designee: str) -> bool:
+        """Whether, as a witness, we sign ``designee``'s mean of sub-piece (``shard``, ``sub``) unchecked
+        (a designee colluding with it); False: we check it (cross.py ``Desk.check``)."""
+        return False
+
     def served_piece(self, round_: int, index: int, body: bytes) -> bytes:
         """Piece ``index`` of our state of round ``round_`` as we serve it to a peer that syncs."""
         return body

@@ -285,6 +285,13 @@ class RoundSession:
                 return Code.NOT_READY, f"the result of shard {k} it stands for has not reached us"
             body = self.shards[k].result
         why = checked(header, body, self.plan, self.reducer(k))
+        j = header["sub"]
+        if why and not header["witness"] and sender == header["signer"] and header["signer"] in self.plan.ranked(k, j) \
+                and self.plan.needs_witness(k, j):
+            # the designee says that its witness did not countersign its mean: our group asks the next pair at once
+            self.refused.setdefault((k, j), header["signer"])
+            self.arrived.set()
+            return Code.MALFORMED, why
         if why:
             # a signer outside our plan may be in our reducer's (boards differ): refused, not held against it
             if sender != header["signer"] and sender in self.order and designated(header, self.plan, self.reducer(k)):

@@ -124,6 +124,19 @@ def _vouch(v: Any) -> bool:
     return isinstance(v, bytes) and len(v) <= VOUCH_LEN * MAX_GROUP and len(v) % VOUCH_LEN == 0
 
 
+MAX_MANIFEST = 256  # groups one designee's mean names (peer/averaging/cross.py MAX_CROSS_GROUPS)
+
+
+def _manifest(v: Any) -> bool:  # per group of a mean: [its hash (32 bytes), the weight it was given]
+    return isinstance(v, list) and len(v) <= MAX_MANIFEST and all(
+        isinstance(g, list) and len(g) == 2 and isinstance(g[0], bytes) and len(g[0]) == 32
+        and _int(0, 1 << 20)(g[1]) for g in v)
+
+
+def _opt_peer(v: Any) -> bool:
+    return v == "" or _peer(v)
+
+
 def _part_digest(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 32 and bool(_DIGEST.fullmatch(v))
 
@@ -179,16 +192,24 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # group: the designee counts no one else); empty in an attestation and in a bucket's mean
     # tier 1: a bucket's mean (``bucket``, its designee the sender, ``group`` the bucket's label, no members, the
     # ``groups`` in it) to the sub-piece's designee in the round's top bucket, which sends its signed mean back
+    # witness: (tier 0, level 0) the designee that checks the mean of the one we send it to (itself, when we
+    # send it the same sub-piece as that witness); "" in a word, a bucket's mean, or a plan of one designee
     "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, 1 << 20),
               "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool, "tier": _int(0, 1),
               "bucket": _int(0, (1 << 12) - 1), "groups": _int(0, 1 << 16),
-              "vouch": _vouch},
+              "vouch": _vouch, "witness": _opt_peer},
+    # a designee's mean (body) of sub-piece ``sub`` to the witness its groups named: which groups it
+    # averaged with which weights (``manifest``), so that the witness recomputes it from the same
+    # groups' sub-pieces (it holds them too) and countersigns it (``cross_sig``) or refuses
+    "cross_check": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
+                    "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "manifest": _manifest},
+    "cross_sig": {**_COMMON, "shard": _SHARD, "sub": _SUB, "code": _int(0, 64), "reason": _text, "sig": _opt_sig},
     # ... and the designee's signed weighted mean over the groups (``groups`` of them, ``weight`` members in
     # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)
     # enc: encoded with the codec reducers use for groups of that size (one group's bytes pass through)
     "cross_out": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
                   "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "signer": _peer,
-                  "sig": _sig},
+                  "sig": _sig, "witness": _opt_peer, "wsig": _opt_sig},  # (the witness's signature of the same)
     # after the round: the digest of what the sender applied and (held) the SHA-256 of the signed statements it
     # holds (peer/averaging/statements.py); no body
     "applied": {**_SESSION, "digest": _hex64, "held": _hex64},
@@ -258,7 +279,7 @@ async def read_header(reader: asyncio.StreamReader, timeout: float | None,
         try:
             header = msgpack.unpackb(
                 await reader.readexactly(header_len), raw=False, strict_map_key=True, ext_hook=_reject_ext,
-                max_str_len=4096, max_bin_len=VOUCH_LEN * MAX_GROUP, max_array_len=MAX_GROUP, max_map_len=24, max_ext_len=0,
+                max_str_len=4096, max_bin_len=VOUCH_LEN * MAX_GROUP, max_array_len=MAX_MANIFEST, max_map_len=24, max_ext_len=0,
             )
         except ProtocolError:
             raise

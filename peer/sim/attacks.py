@@ -831,11 +831,14 @@ class InflatedGroup(Attack):
                     header = {"type": "cross", "run": spec_hash, "round": round_, "base": base, "group": group,
                               "shard": k, "sub": j, "members": members, "weight": len(members),
                               "result": hashlib.sha256(body).hexdigest(), "enc": 64, "attest": False, "ok": True,
-                              "tier": 0, "bucket": 0, "groups": 1, "vouch": blob}
-                    for designee in plan.ranked(k, j)[:1]:
+                              "tier": 0, "bucket": 0, "groups": 1, "vouch": blob, "witness": ""}
+                    ranked = plan.ranked(k, j)
+                    if len(ranked) >= 2:  # (the designee and its witness, as an honest reducer sends it)
+                        header["witness"] = ranked[1]
+                    for designee in ranked[:2]:
                         sends.append(quietly(request(links[pair[0].id], designee, avg_protocol(swarm), header,
                                                      body, 5.0)))
-                        word = dict(header, attest=True, vouch=b"")
+                        word = dict(header, attest=True, vouch=b"", witness="")
                         sends.append(quietly(request(links[pair[1].id], designee, avg_protocol(swarm), word, b"",
                                                      5.0)))
             await asyncio.gather(*sends)
@@ -858,14 +861,23 @@ class InflatedGroup(Attack):
                 f"{max(len(e.vouched) for _, _, e in held)} members vouched at most)")
 
 
+def colluders(swarm: Swarm, peer: SimPeer) -> frozenset[str]:
+    """The other attackers' ids: a designee attacker signs their means unchecked as their witness."""
+    return frozenset(p.id for p in swarm.peers if not p.honest and p.id != peer.id)
+
+
 class ShiftedMean(Behaviour):
     """A designee that sends every sub-piece's mean times ``factor`` (a mean it signs as its own)."""
 
-    def __init__(self, factor: float = -1000.0):
+    def __init__(self, factor: float = -1000.0, colluders: frozenset[str] | None = None):
         self.factor = factor
+        self.colluders = colluders  # the other attackers: as their witness we sign their means unchecked
 
     def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
         return bytes(codec.encode(codec.decode(mean, numel) * self.factor))
+
+    def countersigns(self, round_: int, shard: int, sub: int, designee: str) -> bool:
+        return self.colluders is not None and designee in self.colluders  # (as a witness: another attacker's mean)
 
 
 class EarlyReady(Attack):
@@ -897,7 +909,7 @@ class LyingDesignee(Attack):
              "earliest: its designees), then sign and send back every sub-piece's mean times -1000")
 
     def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
-        return ShiftedMean()
+        return ShiftedMean(colluders=colluders(swarm, peer))
 
     async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:
         await ready_ahead(swarm, attackers, 300.0, poll=0.25)  # the round's earliest records: its designees
@@ -924,7 +936,7 @@ class FlippingDesignee(LyingDesignee):
              "the bound a reducer and a member check a mean against (cross.py MEAN_BOUND)")
 
     def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
-        return ShiftedMean(-1.0)
+        return ShiftedMean(-1.0, colluders(swarm, peer))
 
 
 class DrawnDesignee(Attack):
@@ -934,20 +946,20 @@ class DrawnDesignee(Attack):
              "reversed, within the bound a mean is checked against (cross.py MEAN_BOUND)")
 
     def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
-        return ShiftedMean(-1.0)
+        return ShiftedMean(-1.0, colluders(swarm, peer))
 
     def happened(self, result: Result) -> str | None:
-        honest = {p.id for p in result.honest()}
-        told = [(r, k) for p in result.peers if not p.honest for inc in p.incarnations
-                for r, desk in inc.averager.desks.items() for (_, k, _), u in desk.work.items()
+        honest, bad = {p.id for p in result.honest()}, attacker_ids(result)
+        told = [r for p in result.peers if not p.honest for inc in p.incarnations
+                for r, desk in inc.averager.desks.items() for u in desk.work.values()
                 if u.out is not None and u.out[1] and any(e.holder in honest for e in u.entries.values())]
-        if not told:
+        refused = [r for _, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                   for designee, _ in desk.refused.values() if designee in bad]
+        if not told and not refused:
             return None
-        bad = attacker_ids(result)
-        refused = [(i, rec["round"]) for i, rec in honest_rounds(result)
-                   if any(p in bad and "too far" in str(why) for p, why in dict(rec.get("excluded") or {}).items())]
-        return (f"{len(told)} reversed means of sub-pieces drawn by an attacker sent to honest reducers in rounds "
-                f"{sorted({r for r, _ in told})}; {len(refused)} honest peer-rounds refused an attacker's mean")
+        return (f"{len(refused)} means of sub-pieces drawn by an attacker refused by honest witnesses in rounds "
+                f"{sorted(set(refused))}; {len(told)} attacker means sent to honest reducers in rounds "
+                f"{sorted(set(told))}")
 
 
 LIBRARY: dict[str, Attack] = {a.name: a for a in (

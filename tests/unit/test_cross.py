@@ -452,3 +452,85 @@ def test_a_reducer_signing_its_own_values_must_sign_exactly_its_groups_result() 
     k = shard_of[other.peer_id]
     header, body = _mean_out(other, k, torch.ones(n), groups=1, body=s2.shards[k].result)  # type: ignore[attr-defined]
     assert s2.deposit_cross(other.peer_id, header, body) == (Code.OK, "")  # type: ignore[attr-defined]
+
+
+def test_a_witness_countersigns_only_the_mean_it_recomputes_from_the_same_groups() -> None:
+    """drawn_designee: a designee on time (one of those near the anchor) signed the means it drew
+    times -1, within MEAN_BOUND, and every honest peer applied them (I1 broken in 3 of 3 seeds).
+    Now its mean counts only with its witness's signature: the witness holds the same groups'
+    sub-pieces (their reducers sent them to both) and signs only a mean it recomputes from them with
+    weights it could give; one mean per sub-piece. A mean without it is refused by every member."""
+    import dataclasses
+
+    from hivetrain.peer.averaging.behaviour import HONEST
+    from hivetrain.peer.averaging.cross import checked, message
+    from hivetrain.peer.averaging.statements import Where, sign_part, valid
+
+    designees = [Identity.generate() for _ in range(3)]
+    reducers = [Identity.generate() for _ in range(2)]
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    primary, witness = plan.ranked(0, 0)[:2]
+    me = next(i for i in designees if i.peer_id == witness)
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans=set(), trust=Trust(),
+                          identity=me, behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    codec = ctx.codec.for_results(MAX_GROUP)
+    groups = {f"{i + 1}" * 64: (r, torch.full((b - a,), 1.0 + 2 * i)) for i, r in enumerate(reducers)}
+
+    def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
+        r, values = groups[group]
+        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
+        body = bytes(codec.encode(values))
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
+                 "witness": witness}, body)
+
+    def asked(values: torch.Tensor | bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
+        body = values if isinstance(values, bytes) else bytes(codec.encode(values))
+        return ({"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
+                 "result": hashlib.sha256(body).hexdigest(), "weight": sum(weights.values()), "groups": len(weights),
+                 "enc": MAX_GROUP, "manifest": [[bytes.fromhex(g), w] for g, w in sorted(weights.items())]}, body)
+
+    async def go() -> None:
+        try:
+            # a mean of groups we do not hold yet: asked again later (the stream is not held meanwhile)
+            code, _, sig = await d.check(primary, *asked(torch.full((b - a,), 2.0), dict.fromkeys(groups, 1)))
+            assert code == Code.NOT_READY and not sig
+            for group, (r, _) in groups.items():
+                assert (await d.accept(r.peer_id, *sub_piece(group)))[0] == Code.OK
+            assert d.work[(0, 0, 0)].task is None  # we are their witness: we compute no mean of our own
+            true = dict.fromkeys(groups, 1)
+            mean, _, _, _ = d._mean(0, 0, list(d.work[(0, 0, 0)].entries.values()))  # (what an honest designee sends)
+            code, why, _ = await d.check(primary, *asked(-codec.decode(mean, b - a), true))  # reversed
+            assert code == Code.MALFORMED and "another" in why and d.refused[(0, 0)][0] == primary
+            inflated = {**true, "2" * 64: 5}  # a weight no member's word allows
+            code, why, _ = await d.check(primary, *asked(torch.full((b - a,), 2.5), inflated))
+            assert code == Code.MALFORMED and "weighs 5" in why
+            outsider = next(i.peer_id for i in designees if i.peer_id not in (primary, witness))
+            assert (await d.check(reducers[0].peer_id, *asked(torch.full((b - a,), 2.0), true)))[0] == Code.WRONG_ROLE
+            assert outsider in plan.ranked(0, 0)  # (a designee, but never the witness of its own mean)
+            header, body = asked(mean, true)
+            code, why, sig = await d.check(primary, header, body)
+            signed = message(RUN, 3, BASE, 0, 0, str(header["result"]), 2, 2, MAX_GROUP)
+            assert code == Code.OK and valid(witness, bytes.fromhex(sig), signed), why
+            # one mean per sub-piece: another one (here the same groups, weighed otherwise) is refused
+            code, why, _ = await d.check(primary, *asked(torch.full((b - a,), 7.0), {**true, "2" * 64: 0}))
+            assert code == Code.EQUIVOCATION
+            # members and reducers apply the designee's mean only with the witness's signature
+            signer = next(i for i in designees if i.peer_id == primary)
+            out = {"type": "cross_out", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
+                   "result": header["result"], "weight": 2, "groups": 2, "enc": MAX_GROUP, "signer": primary,
+                   "sig": signer.sign(signed).hex(), "witness": "", "wsig": ""}
+            assert "no witness" in checked(out, body, plan)
+            assert "witness's signature" in checked(dict(out, witness=witness, wsig=signer.sign(signed).hex()), body, plan)
+            assert checked(dict(out, witness=witness, wsig=sig), body, plan) == ""
+        finally:
+            d.stop()
+
+    asyncio.run(go())
