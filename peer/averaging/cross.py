@@ -780,7 +780,7 @@ class Desk:
                     named = Counter(e.witness for e in self._ours(unit) if e.witness)
                     witness = named.most_common(1)[0][0] if named else ""
                     manifest = [(e.group, e.weight if e.counts() else 0) for e in entries]
-                    wsig = await self._countersigned(k, j, header, body, manifest, witness)
+                    wsig = await self._countersigned(k, j, header, body, entries, manifest, witness)
                     if wsig is None:  # our mean without a witness: its reducers ask the next pair at once
                         await self._unwitnessed(header, body, self._ours(unit))
                         return
@@ -817,7 +817,7 @@ class Desk:
                 sends.append((e.holder, dict(header, group=e.group), body))
         await send_all(self.ctx, self.round, clock.now() + DESIGNEE_MARGIN, sends, strict=False)
 
-    async def _countersigned(self, k: int, j: int, header: dict[str, Any], body: bytes,
+    async def _countersigned(self, k: int, j: int, header: dict[str, Any], body: bytes, entries: list[_Entry],
                              manifest: list[tuple[str, int]], witness: str) -> str | None:
         """The witness's signature of our mean of sub-piece (k, j) (``check`` on its side), or None
         if it refused it or could not be reached (then nobody applies our mean: said loudly)."""
@@ -826,9 +826,11 @@ class Desk:
                               manifest=[[bytes.fromhex(g), w] for g, w in sorted(manifest)[:MAX_CROSS_GROUPS]])
         why, pause = "", RETRY_PAUSE[0]
         deadline = clock.now() + LONG_WAIT * self.ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
+        # (a mean that is one group's own bytes goes without them: the witness holds that group's sub-piece)
+        sent = b"" if body and any(e.body == body for e in entries) else body
         while True:  # (asked again while it lacks a group's sub-piece or word, or is busy)
             try:
-                reply, _ = await request(self.ctx.link, witness, self.ctx.protocol, ask, body,
+                reply, _ = await request(self.ctx.link, witness, self.ctx.protocol, ask, sent,
                                          max(0.1, deadline - clock.now()), traffic=self.ctx.traffic)
             except Exception as e:  # (unreachable, or too slow)
                 reply, why = {}, repr(e)
@@ -867,6 +869,12 @@ class Desk:
         ranked = mine.ranked(k, j)
         if self.ctx.me not in ranked or sender not in ranked or sender == self.ctx.me:
             return Code.WRONG_ROLE, f"a witness and the designee it checks are two designees of sub-piece ({k}, {j})", ""
+        if not body and header["result"] != VOID:  # one group's own bytes, sent without them: ours of that group
+            held = self.work.get((0, k, j))
+            body = next((e.body for e in held.entries.values() if e.result == header["result"] and e.body), b"") \
+                if held is not None else b""
+            if not body:
+                return Code.NOT_READY, "we hold no sub-piece with that mean's hash yet", ""
         if (hashlib.sha256(body).hexdigest() if body else VOID) != header["result"]:
             return Code.MALFORMED, "the mean does not match its hash", ""
         if body and len(body) != self.sub_nbytes(k, j, self.ctx.codec.for_results(header["enc"])):

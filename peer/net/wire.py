@@ -200,7 +200,8 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
               "vouch": _vouch, "witness": _opt_peer},
     # a designee's mean (body) of sub-piece ``sub`` to the witness its groups named: which groups it
     # averaged with which weights (``manifest``), so that the witness recomputes it from the same
-    # groups' sub-pieces (it holds them too) and countersigns it (``cross_sig``) or refuses
+    # groups' sub-pieces (it holds them too) and countersigns it (``cross_sig``) or refuses; no body when the
+    # mean is one group's own bytes (the witness holds them)
     "cross_check": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
                     "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "manifest": _manifest},
     "cross_sig": {**_COMMON, "shard": _SHARD, "sub": _SUB, "code": _int(0, 64), "reason": _text, "sig": _opt_sig},

@@ -269,7 +269,9 @@ def test_a_reducer_returns_its_first_piece_while_its_later_pieces_still_stream()
 def test_more_pieces_than_a_group_has_members_cross_the_wire() -> None:
     """Shard indices go up to MAX_PIECES - 1 on the wire (not MAX_GROUP - 1): 2 members x 35 pieces."""
     n, numel = 2, 70_000
-    swarm = LocalSwarm(spec(n), numel, n)
+    # (70 sub-pieces, each to a designee and its witness: a designee's wait, a quarter of the deadline, holds
+    # under a loaded machine with a deadline longer than the harness's 4 s)
+    swarm = LocalSwarm(spec(n, allreduce_timeout=12.0), numel, n)
     try:
         done = assert_identical(swarm.all_reduce(0, BASE, deltas(n, numel=numel)), members=n)
         s = swarm.peers[0].sessions[0]
