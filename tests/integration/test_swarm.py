@@ -39,18 +39,19 @@ def test_demo_three_peers_three_rounds(tmp_path: Path) -> None:
         # int8 parts to the reducers + audit copies to the auditors + results: 3 int8 transfers of the
         # vector against 2 fp32 ones for a ring all-reduce, i.e. 3/8; plus, with the cross-group stage, each
         # shard to its designee and to the designee's witness when those are other members (one group: its
-        # mean is the group's own bytes, never sent back, nor sent to the witness): at most 2/16 more. Per
-        # group, since shares follow each member's measured uplink.
+        # mean is the group's own bytes, never sent back, nor sent to the witness): at most 2/16 more, and the
+        # headers, vouches and statements (0.474 to 0.526 measured). Per group, since shares follow each
+        # member's measured uplink.
         ratio = sum(each) / len(each) / ring_allreduce_bytes(numel, 3)
-        assert 0.36 < ratio < 0.51, f"round {round_}: int8 bytes with audits are {ratio:.3f} of fp32"
+        assert 0.36 < ratio < 0.56, f"round {round_}: int8 bytes with audits are {ratio:.3f} of fp32"
     # H=5 inner steps per round and audited int8 instead of fp32: about 5 * 8 / 3 = 13x fewer bytes than DDP;
-    # with each shard to its designee and its witness (above): over 9.5x for the mean peer. Shares follow each
-    # peer's measured uplink (up to 4x the median's), so one peer may send more than the others: over 7x for
+    # with each shard to its designee and its witness (above): over 8.5x for the mean peer. Shares follow each
+    # peer's measured uplink (up to 4x the median's), so one peer may send more than the others: over 6x for
     # the busiest
     sent_per_peer = list(summary["bytes_sent_per_peer"].values())
     fewer = summary["ddp_equivalent_bytes"] / (sum(sent_per_peer) / len(sent_per_peer))
-    assert fewer > 9.5, f"{fewer:.2f}x fewer bytes than DDP for the mean peer"
-    assert summary["ddp_equivalent_bytes"] > 7 * max(sent_per_peer), summary["ddp_equivalent_bytes"] / max(sent_per_peer)
+    assert fewer > 8.5, f"{fewer:.2f}x fewer bytes than DDP for the mean peer"
+    assert summary["ddp_equivalent_bytes"] > 6 * max(sent_per_peer), summary["ddp_equivalent_bytes"] / max(sent_per_peer)
 
 
 def test_malformed_initial_peers_is_one_clear_line(tmp_path: Path) -> None:
