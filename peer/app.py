@@ -212,10 +212,13 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
     say(f"join with: peer start --run {run_key} --initial-peers {reach.best_address(maddrs) or '<this address>'}")
     if info_file:
         tmp = info_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
-                       "spec_hash": spec.spec_hash().hex()}, f)
-        os.replace(tmp, info_file)
+        try:  # (the CLI checked that it can write there; this is for a folder gone since)
+            with open(tmp, "w") as f:
+                json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
+                           "spec_hash": spec.spec_hash().hex()}, f)
+            os.replace(tmp, info_file)
+        except OSError as e:
+            raise ConfigError(f"--info-file {info_file}: cannot write it ({e.strerror or e})") from None
 
 
 def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: float = 120.0,
@@ -266,7 +269,10 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         save_spec(ckpt_dir, run_key, spec)  # for `peer export`, which needs no network
         if opened.tokenizer is not None:
             save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
-        metrics = MetricsWriter(options.metrics_file)
+        try:  # (the CLI checked that it can write there; this is for a folder gone since)
+            metrics = MetricsWriter(options.metrics_file)
+        except OSError as e:
+            raise ConfigError(f"--metrics-file {options.metrics_file}: cannot write it ({e.strerror or e})") from None
         ledger = LedgerFile(os.path.join(ckpt_dir, f"{run_key}.trust.json"), run_key, say)
         began = checkpoint.BeganFile(os.path.join(ckpt_dir, f"{run_key}.began.json"), say)
         peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say), ledger=ledger,

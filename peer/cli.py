@@ -17,7 +17,8 @@ import time
 import warnings
 from typing import Any
 
-from hivetrain.peer.errors import ConfigError, PeerError
+from hivetrain.peer.errors import ConfigError, DataError, PeerError
+from hivetrain.peer.flags import SPEC_FLAGS, check_demo, check_start, check_status
 
 EXIT_USER_ERROR = 2
 
@@ -237,35 +238,12 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGINT, handler)  # also when started in the background with SIGINT ignored
 
 
-SPEC_FLAGS = ("sync_every", "inner_lr", "inner_warmup", "inner_schedule", "inner_total_steps", "outer_lr",
-              "outer_momentum", "outer_nesterov", "compression", "sparse_k", "target_group_size",
-              "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
-              "error_feedback", "audit", "cross_groups", "expected_peers", "max_per_prefix", "overlap", "eval_every", "piece_values")
-
-
-def _check_start_flags(args: argparse.Namespace) -> None:
-    """What can be refused before anything starts, each in one line."""
-    if args.run is not None:
-        args.run = args.run.strip().lower()  # base32 is case-insensitive; run names are lower case
-        if not args.initial_peers:
-            raise ConfigError("joining a run needs --initial-peers MADDR: the address a peer of the run printed "
-                              "(its 'join with:' line), e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
-    if args.dashboard:
-        from hivetrain.peer.dashboard import parse_bind
-
-        parse_bind(args.dashboard, args.dashboard_public)
-    if args.metrics_file:
-        folder = os.path.dirname(os.path.abspath(args.metrics_file))
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--metrics-file {args.metrics_file}: the folder {folder} does not exist")
-
-
 def cmd_start(args: argparse.Namespace) -> int:
+    check_start(args)  # before torch is imported: a mistake costs a second, not the start-up
+
     from hivetrain.peer.app import RunChoice, run_peer
     from hivetrain.peer.config import PeerOptions
     from hivetrain.peer.progress import Console
-
-    _check_start_flags(args)
 
     options = PeerOptions(
         initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
@@ -296,10 +274,10 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from hivetrain.peer.dashboard import parse_bind
-    from hivetrain.peer.status import run_status
 
-    if args.count < 0:
-        raise ConfigError(f"--count must be 0 or more, got {args.count}")
+    check_status(args)
+    from hivetrain.peer.status import run_status  # (torch and hivemind: after the checks)
+
     bind = parse_bind(args.dashboard, args.dashboard_public) if args.dashboard else None
     count = args.count if args.watch or bind else 1  # a dashboard is served until Ctrl+C (or --count)
     return run_status(args.run.strip().lower(), tuple(args.initial_peers), args.json, args.interval,
@@ -333,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "status":
             return cmd_status(args)
+        check_demo(args)
         from hivetrain.peer.demo import run_demo
 
         return run_demo(args)
     except (PeerError, DHTError, CodecError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR if isinstance(e, (ConfigError, AddressError)) or "run key" in str(e) else 1
+        user = isinstance(e, (ConfigError, DataError, AddressError)) or "run key" in str(e)  # --data's too
+        return EXIT_USER_ERROR if user else 1
     except KeyboardInterrupt:
         print(f"stopped after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         return 130

@@ -158,6 +158,9 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+PRESET_NAMES = (*PRESETS, *PRETRAINED)  # what --preset takes: the built-in models, then the pretrained starts
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything every peer of a run must agree on. Published by the owner, signed."""
@@ -300,7 +303,7 @@ class RunSpec:
     @classmethod
     def from_preset(cls, name: str, preset: str, **overrides: Any) -> RunSpec:
         if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
         p = PRESETS[preset]
         base: dict[str, Any] = dict(
             name=name, model=p.model, seq_len=p.seq_len, batch_size=p.batch_size,
