@@ -9,6 +9,8 @@ flag builds one (peer/faults.py), the protocol tests and the simulator's attack 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hivetrain.kernels.int8 import Codec
@@ -50,6 +52,12 @@ class Behaviour:
     def mean_for(self, round_: int, shard: int, sub: int, mean: bytes, numel: int, codec: Codec) -> bytes:
         """The mean of sub-piece (``shard``, ``sub``) we averaged across groups as a designee, as we send it."""
         return mean
+
+    def averaged(self, round_: int, base: str, shard: int, sub: int, groups: list[Any], numel: int,
+                 codec: Codec) -> list[Any]:
+        """The groups' sub-pieces (peer/averaging/cross.py ``_Entry``, with the weights we give them)
+        that we average as the designee of sub-piece (``shard``, ``sub``)."""
+        return groups
 
     def countersigns(self, round_: int, shard: int, sub: int, designee: str) -> bool:
         """Whether, as a witness, we sign ``designee``'s mean of sub-piece (``shard``, ``sub``) unchecked

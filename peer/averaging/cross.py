@@ -40,12 +40,14 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    At level 0 the designee first sends its mean to the witness with the groups and the weights
    it used (``cross_check``); the witness, which holds the same groups' sub-pieces and the other
    members' words on them, checks that it could have given each weight, recomputes the mean and
-   signs the same statement (``check``), or refuses. A mean counts only with both signatures: a
-   designee that writes what it averages (the update reversed, within MEAN_BOUND) is refused by an
-   honest witness, and its sub-piece's groups ask the next pair; two colluding designees drawn as
-   one pair are the residue, and so is the choice of groups and weights (up to the vouched bound:
-   an honest designee's own newcomer brake, bans and board give groups less or nothing, so the
-   witness cannot tell a designee that left honest groups out).
+   signs the same statement (``check``), or refuses. It also measures the mean against its own
+   mean of the groups it holds (``_far``): two honest designees see the round a little differently
+   (their boards, bans and newcomer brakes), but a mean further than CHOICE_SPREAD x the groups'
+   spread from ours left the round's groups out (a designee that named only a group of one it
+   made up of itself was the mean). A mean counts only with both signatures: a designee that
+   writes what it averages (the update reversed, within MEAN_BOUND), or chooses whom it averages,
+   is refused by an honest witness, and its sub-piece's groups ask the next pair; two colluding
+   designees drawn as one pair are the residue.
 3. Each reducer forwards the signed sub-pieces of its shards to its members. Every member checks the
    signatures against the designees it derived itself and applies exactly those bytes, so every
    peer that completes the round holds the same state. A member that misses one voids the round
@@ -90,7 +92,7 @@ from hivetrain.dht.records import bucket_of
 from hivetrain.kernels.errors import CodecError
 from hivetrain.kernels.int8 import Codec
 from hivetrain.peer.averaging import rates
-from hivetrain.peer.averaging.aggregation import weighted_robust_mean
+from hivetrain.peer.averaging.aggregation import weighted_median, weighted_robust_mean
 from hivetrain.peer.averaging.api import pieces_per_member, shard_bounds
 from hivetrain.peer.averaging.context import PeerContext
 from hivetrain.peer.averaging.delivery import RETRY_PAUSE, deliver, send_all
@@ -117,6 +119,8 @@ MEAN_BOUND = 2.0  # ``off``: a mean further than this from our own pseudo-gradie
 _CROSS = b"hivetrain-cross-v1\0"
 VOID = "0" * 64  # the result hash of a sub-piece no group contributed to
 MAX_VOUCH_MEMO = 4096  # (group, shard, vouch) whose checked members a desk keeps
+CHOICE_SPREAD = 2.0  # x the groups' spread: how far a designee's mean may lie from its witness's own (``_far``;
+# 1.0 refused honest means whose designee and witness had banned differently)
 WITNESS_SLACK = 64  # a witness's mean may differ from the designee's by one int8 step in one value in this many
 
 
@@ -168,6 +172,23 @@ def off(mean: torch.Tensor, own: torch.Tensor, group: torch.Tensor | None = None
     if scale == 0.0:
         return 0.0 if dist == 0.0 else math.inf
     return dist / scale
+
+
+def groups_spread(rows: Sequence[torch.Tensor], weights: Sequence[float]) -> float:
+    """How far groups' sub-pieces (``rows``, with ``weights``) lie apart, for a witness's check of a
+    designee's choice (``Desk._far``): the smaller of two weighted medians, of each row's distance
+    to their weighted robust mean (a row far off with less than half the weight moves that mean a
+    bounded way) and of each row's distance to its nearest other (a row far off is nobody's nearest;
+    one made up to copy another can only shrink that distance). One row, or one with most of the
+    weight: 0."""
+    if len(rows) < 2:
+        return 0.0
+    x, share = torch.stack(list(rows)), torch.tensor([float(w) for w in weights]) / float(sum(weights))
+    around = torch.linalg.vector_norm(x - weighted_robust_mean(rows, weights), dim=1)
+    apart = torch.cdist(x[None], x[None])[0]
+    apart.fill_diagonal_(math.inf)
+    nearest = apart.min(dim=1).values
+    return min(float(weighted_median(around[:, None], share)[0]), float(weighted_median(nearest[:, None], share)[0]))
 
 
 def units(numel: int, target: int, piece_values: int) -> int:
@@ -762,6 +783,9 @@ class Desk:
                                            min(POLL / 2, max(0.0, unit.first + patience - clock.now())))
             unit.closed = True
             entries = list(unit.entries.values()) if tier == 1 else self._weighed(k, j, self._ours(unit))
+            if tier == 0:
+                entries = self.ctx.behaviour.averaged(self.round, self.base, k, j, entries, self._sub_numel(k, j),
+                                                      self.ctx.codec)
             if tier == 0 and len(entries) > 1 and self._minority(entries):
                 entries = []
             body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
@@ -915,6 +939,15 @@ class Desk:
             logger.warning("round %d: we refused to countersign %s's mean of sub-piece (%d, %d): %s", self.round,
                            sender, k, j, why)
             return Code.MALFORMED, why, ""
+        # (the mean is right for the groups it names; whether they are the round's is the next question: a
+        # designee that named only a group of one it made up of itself was the whole mean, search attack
+        # partisan_designee, 1.83x)
+        why = await asyncio.to_thread(self._far, k, j, unit, body, enc)
+        if why:
+            self.refused.setdefault((k, j), (sender, why))
+            logger.warning("round %d: we refused to countersign %s's mean of sub-piece (%d, %d): %s", self.round,
+                           sender, k, j, why)
+            return Code.MALFORMED, why, ""
         if (k, j) in self.countersigned:  # (meanwhile)
             return Code.EQUIVOCATION, "we countersigned another mean of that sub-piece", ""
         sig = self.ctx.identity.sign(message(self.ctx.run, self.round, self.base, k, j, header["result"],
@@ -937,7 +970,61 @@ class Desk:
         step = float(a.abs().max()) / 127.0
         return bool(diff.max() <= 1.5 * step) and int((diff > 0).sum()) <= numel // WITNESS_SLACK
 
-    def _minority(self, entries: list[_Entry]) -> bool:
+    def _far(self, k: int, j: int, unit: _Unit, theirs: bytes, enc: int) -> str:
+        """Why a designee's mean of sub-piece (k, j) (the right mean of the groups it names: ``check``)
+        lies too far from our own mean of the groups we hold to be a mean of the round's groups (''
+        if it does not; worker thread). Ours is the mean we would compute as its designee (our
+        weights: our board, bans and newcomer brake), or, where that is void, the mean with the
+        weights the groups' words allow (the same for every witness). Two honest designees see the
+        round a little differently (their boards, bans, whom each completed a round with, a group
+        that came late to one, their bans: search seed 5,000,405 under unverifiable_parts, 1.4 to
+        1.5 spreads), so their means differ by a part of the groups' spread; a designee that named
+        only a group of one it made up of itself (partisan_designee) is further. Near is within
+        CHOICE_SPREAD x the groups' spread plus the codec's rounding: edging_designee, a mean just
+        inside that, kept I1 in the simulator (tests/protocol/test_sim.py, docs/BENCHMARKS.md). The spread (``groups_spread``) is over the groups we hold, with
+        the weights their members' words allow (the same for every witness); the smaller of two
+        weighted medians, because the distance to the nearest other alone gave one honest group
+        and a made-up one far off a spread of their distance apart (a search schedule). A group
+        alone, or one with most of the weight, has no spread: the mean must be ours. A
+        void mean is never far (it applies nobody's values: every group keeps its own)."""
+        if not theirs:
+            return ""
+        numel = self._sub_numel(k, j)
+        try:
+            d = self.ctx.codec.for_results(enc).decode(theirs, numel)
+        except CodecError as err:
+            return f"its mean does not decode: {err}"
+        free = [dataclasses.replace(e, banned=False) for e in unit.entries.values()]  # (the words' weights)
+        counting = [e for e in free if e.counts()]
+        times = Counter(v for e in counting for v in e.vouched)
+        rows: list[torch.Tensor] = []
+        weights: list[float] = []
+        for c in counting:
+            weight = min(c.weight, len({v for v in c.vouched if times[v] == 1}))
+            if weight > 0:
+                with contextlib.suppress(CodecError):
+                    rows.append(self.ctx.codec.for_results(c.enc).decode(c.body, numel))
+                    weights.append(float(weight))
+        ours = self._weighed(k, j, list(unit.entries.values()), quiet=True)
+        if len(ours) > 1 and self._minority(ours, quiet=True):
+            ours = []
+        mine, _, _, mine_enc = self._mean(k, j, ours)
+        if mine:
+            m = self.ctx.codec.for_results(mine_enc).decode(mine, numel)
+        elif rows:
+            m = weighted_robust_mean(rows, weights) if self.ctx.spec.aggregation == "robust" else \
+                sum((r * w for r, w in zip(rows, weights, strict=True)), torch.zeros(numel)) / sum(weights)
+        else:
+            return "we hold no group whose values count"
+        spread = groups_spread(rows, weights)
+        rounding = float(m.abs().max()) / 127.0 * math.sqrt(numel)  # (half an int8 step per value, each side)
+        dist = float(torch.linalg.vector_norm(d - m))
+        if math.isfinite(dist) and dist <= CHOICE_SPREAD * spread + rounding:
+            return ""
+        return (f"its mean lies {dist:.4g} from our own mean of the groups we hold, and the groups lie "
+                f"{spread:.4g} apart (allowed: {CHOICE_SPREAD} x that + {rounding:.3g} rounding)")
+
+    def _minority(self, entries: list[_Entry], quiet: bool = False) -> bool:
         """Whether the groups that sent a sub-piece (more than one) may not decide it, so that we sign it
         void (no values; every group that sent it applies the same): when they cover no more than half
         of the round's peers we wait for (a minority's mean is whoever it holds: three attackers alone
@@ -962,7 +1049,8 @@ class Desk:
             why = f"its groups cover {len(covered)} of the round's {len(self.waiting)} peers"
         else:
             return False
-        logger.warning("round %d: a sub-piece's groups may not decide it (%s): it is void", self.round, why)
+        if not quiet:
+            logger.warning("round %d: a sub-piece's groups may not decide it (%s): it is void", self.round, why)
         return True
 
     async def _vouched_of(self, group: str, k: int, header: dict[str, Any]) -> frozenset[str]:
@@ -982,7 +1070,7 @@ class Desk:
                 break
             self.on_board.add(p)
 
-    def _weighed(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
+    def _weighed(self, k: int, j: int, entries: list[_Entry], quiet: bool = False) -> list[_Entry]:
         """The groups' entries with the weight we count: at most the members that vouched for the group
         and that we saw ready on our board and alive in the round (``silent``: a record whose peer
         never showed itself is in no group), each in one group only (a member that vouched for two
@@ -1002,9 +1090,10 @@ class Desk:
         for e in entries:
             weight = len(counted[e.group] - newcomers)
             if weight < e.weight:
-                logger.info("round %d: group %s claims weight %d in sub-piece (%d, %d); %d of its members vouched, "
-                            "are on our board and are no newcomers to us", self.round, e.group[:12], e.weight, k, j,
-                            weight)
+                if not quiet:
+                    logger.info("round %d: group %s claims weight %d in sub-piece (%d, %d); %d of its members vouched, "
+                                "are on our board and are no newcomers to us", self.round, e.group[:12], e.weight, k,
+                                j, weight)
                 e = dataclasses.replace(e, weight=weight)
             out.append(e)
         return out

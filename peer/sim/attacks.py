@@ -962,15 +962,98 @@ class DrawnDesignee(Attack):
                 f"{sorted(set(told))}")
 
 
+class Partisan(Behaviour):
+    """A designee that averages one group alone: a group of one it makes up of itself, whose values are
+    a group's sub-piece it received times ``factor``, sent to its witness as any reducer sends its own
+    (a group of one needs no other member's word, and the witness checks the mean, not the choice)."""
+
+    def __init__(self, swarm: Swarm, peer: SimPeer, factor: float = -1.0, edge: float = 0.0):
+        self.swarm, self.peer, self.factor, self.edge = swarm, peer, factor, edge
+        self.sent: set[asyncio.Task[Any]] = set()
+
+    def averaged(self, round_: int, base: str, shard: int, sub: int, groups: list[Any], numel: int,
+                 codec: Codec) -> list[Any]:
+        import dataclasses
+        from collections import Counter
+
+        from hivetrain.peer.averaging import cross
+        from hivetrain.peer.averaging.aggregation import weighted_robust_mean
+        from hivetrain.peer.averaging.statements import Where, sign_part
+
+        real = [g for g in groups if g.body and g.counts() and g.holder != self.peer.id]
+        named = Counter(g.witness for g in groups if g.witness)
+        if not real or not named:
+            return groups
+        witness, source = named.most_common(1)[0][0], real[0]
+        results = codec.for_results(source.enc)
+        values = results.decode(source.body, numel) * self.factor
+        if self.edge:  # just inside the witness's bound: the groups' robust mean moved edge spreads toward 0 and past
+            rows = [codec.for_results(g.enc).decode(g.body, numel) for g in real]
+            weights = [max(1, len(g.vouched)) for g in real]
+            center = weighted_robust_mean(rows, weights)
+            shift = self.edge * cross.groups_spread(rows, weights)
+            values = center * (1.0 - shift / max(float(center.norm()), 1e-12))
+        body = bytes(results.encode(values))
+        me, run = self.peer.id, run_hash(self.swarm)
+        group = hashlib.sha256(f"partisan/{me}/{round_}/{base}".encode()).hexdigest()
+        blob = cross.vouch([me], {me: ("0" * 32, sign_part(self.peer.identity, Where(run, round_, group, shard), "0" * 32))})
+        result = hashlib.sha256(body).hexdigest()
+        header = {"type": "cross", "run": run, "round": round_, "base": base, "group": group, "shard": shard,
+                  "sub": sub, "members": [me], "weight": 1, "result": result, "enc": source.enc, "attest": False,
+                  "ok": True, "tier": 0, "bucket": 0, "groups": 1, "vouch": blob, "witness": witness}
+        task = asyncio.get_running_loop().create_task(quietly(request(
+            link_of(self.swarm, self.peer), witness, avg_protocol(self.swarm), header, body, 5.0)))
+        self.sent.add(task)
+        task.add_done_callback(self.sent.discard)
+        return [dataclasses.replace(source, holder=me, group=group, members=frozenset({me}), weight=1, body=body,
+                                    result=result, attested=None, attester="", vouched=frozenset({me}), witness="",
+                                    banned=False)]
+
+
+class PartisanDesignee(Attack):
+    name = "partisan_designee"
+    about = ("an identity that behaves honestly in every stage (so one designee among those near the anchor) "
+             "and, as a designee, averages one group alone: a group of one it makes up of itself, whose values "
+             "are an honest group's sub-piece reversed (within MEAN_BOUND), and which it sends to its witness "
+             "as a reducer would: the mean is right for the groups it names, and it names none of the honest ones")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        return Partisan(swarm, peer)
+
+    def happened(self, result: Result) -> str | None:
+        bad = attacker_ids(result)
+        held = [(i, r) for i, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                for u in desk.work.values() for e in u.entries.values() if e.holder in bad and e.members <= bad]
+        refused = [r for _, inc in incarnations(result) for r, desk in inc.averager.desks.items()
+                   for designee, _ in desk.refused.values() if designee in bad]
+        if not held and not refused:
+            return None
+        return (f"{len(held)} made-up groups of attackers held by honest witnesses in rounds "
+                f"{sorted({r for _, r in held})}; {len(refused)} attacker means refused by honest witnesses")
+
+
+class EdgingDesignee(PartisanDesignee):
+    name = "edging_designee"
+    about = ("as partisan_designee, but the made-up group's values are the groups' robust mean moved 0.95 x "
+             "the witness's allowance (cross.py CHOICE_SPREAD x the groups' spread) toward zero and past it: "
+             "the furthest mean an honest witness may countersign, in the direction that undoes the update")
+
+    def behaviour(self, swarm: Swarm, peer: SimPeer) -> Behaviour | None:
+        from hivetrain.peer.averaging.cross import CHOICE_SPREAD
+
+        return Partisan(swarm, peer, edge=0.95 * CHOICE_SPREAD)
+
+
 LIBRARY: dict[str, Attack] = {a.name: a for a in (
     Bias(), Nan(), Huge(), UnverifiableParts(), EquivocatingAuditorAttack(), EquivocatingReducerAttack(),
     DialbackLies(), ReadyFlood(), CandidateFlood(), DecidedPair(), EarlyPart(), ServingLockout(),
     OversizedBodies(), ForgedHeartbeats(), DHTKeyFill(), RelayedVotes(), TamperedRelay(), InflatedGroup(), EarlyReady(), LyingDesignee(),
-    FlippingDesignee(), DrawnDesignee())}
+    FlippingDesignee(), DrawnDesignee(), PartisanDesignee(), EdgingDesignee())}
 ATTACK_NAMES: tuple[str, ...] = tuple(LIBRARY)
 # the attacks the search's small and large families draw from (peer/sim/search.py): fixed, so that a
 # documented seed keeps its schedule when the library grows; later attacks are drawn by later families
 FIRST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:16]
 SLOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:17]  # (the slow family's)
 ANY_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:18]  # (the ANY family's)
-LATEST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:21]  # (the LATEST family's; the whole library from NOW_SEEDS on)
+LATEST_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:21]  # (the LATEST family's)
+NOW_ATTACKS: tuple[str, ...] = ATTACK_NAMES[:22]  # (the NOW family's; the whole library from NEXT_SEEDS on)

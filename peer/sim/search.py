@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from hivetrain.peer.sim.attacks import ANY_ATTACKS, FIRST_ATTACKS, LATEST_ATTACKS, LIBRARY, SLOW_ATTACKS
+from hivetrain.peer.sim.attacks import (
+    ANY_ATTACKS,
+    FIRST_ATTACKS,
+    LATEST_ATTACKS,
+    LIBRARY,
+    NOW_ATTACKS,
+    SLOW_ATTACKS,
+)
 from hivetrain.peer.sim.measure import ancestors, final_states, lineage
 from hivetrain.peer.sim.swarm import Event, Probe, Result, Scenario, simulate
 
@@ -67,7 +74,8 @@ LARGE_SEEDS = 1_000_000  # seeds from here draw the large family (``schedule``)
 RELAY_SEEDS = 2_000_000  # ... and from here the slow family: a third of the peers on slow links
 ANY_SEEDS = 3_000_000  # ... and from here the small family's runs with any of the library's first 18 attacks
 LATEST_SEEDS = 4_000_000  # ... and from here with any of its first 21 attacks
-NOW_SEEDS = 5_000_000  # ... and from here with any attack of the library as it is now
+NOW_SEEDS = 5_000_000  # ... and from here with any of its first 22 attacks
+NEXT_SEEDS = 6_000_000  # ... and from here with any attack of the library as it is now
 
 
 def schedule(seed: int) -> Scenario:
@@ -77,11 +85,14 @@ def schedule(seed: int) -> Scenario:
     small family never exercises either); seeds below keep the schedules documented before it.
     From ``RELAY_SEEDS`` on, the slow family (``_slow``); from ``ANY_SEEDS`` on, the small family's
     runs drawing from the library's first 18 attacks (``ANY_ATTACKS``), from ``LATEST_SEEDS`` on from
-    its first 21 (``LATEST_ATTACKS``), and from ``NOW_SEEDS`` on from the whole library: every
-    family's list but the last is frozen, so that a documented seed keeps its schedule when the
-    library grows; a new attack is drawn from NOW_SEEDS on."""
+    its first 21 (``LATEST_ATTACKS``), from ``NOW_SEEDS`` on from its first 22 (``NOW_ATTACKS``), and
+    from ``NEXT_SEEDS`` on from the whole library: every family's list but the last is frozen, so
+    that a documented seed keeps its schedule when the library grows; a new attack is drawn from
+    NEXT_SEEDS on."""
+    if seed >= NEXT_SEEDS:
+        return _small(seed, random.Random(f"search-next/{seed}"), tuple(LIBRARY))
     if seed >= NOW_SEEDS:
-        return _small(seed, random.Random(f"search-now/{seed}"), tuple(LIBRARY))
+        return _small(seed, random.Random(f"search-now/{seed}"), NOW_ATTACKS)
     if seed >= LATEST_SEEDS:
         return _small(seed, random.Random(f"search-latest/{seed}"), LATEST_ATTACKS)
     if seed >= ANY_SEEDS:

@@ -532,6 +532,23 @@ def test_a_designee_that_reverses_the_means_it_draws_is_refused_by_its_witness(s
     assert violations == [] and measured["I2_states_per_round"] == 1 and measured["I4_completed_fraction"] == 1.0
 
 
+@pytest.mark.parametrize("seed", [2, 5])
+def test_a_designee_that_averages_only_a_group_it_made_up_is_refused_by_its_witness(seed: int) -> None:
+    """partisan_designee (one attacker of 8, honest in every stage): as a designee it names one group
+    alone, a group of one it made up of itself whose values are an honest group's reversed, and sends
+    it to its witness as a reducer would. The mean is right for the groups it names, so the witness's
+    recomputation passed it: I1 broke in 4 of seeds 1-6 (1.57x to 1.83x; 1.83x and 1.71x in these),
+    with 1 state per round. Now the witness also measures the mean against its own mean of the
+    groups it holds, in the groups' spread: every such mean is refused, and every honest peer-round
+    completes on one state."""
+    result = simulate(Scenario(peers=8, rounds=2, target=4, seed=seed, numel=1024, dishonest=(0,),
+                               attacks=("partisan_designee",)))  # (a peer keeps its last two rounds' desks)
+    evidence = LIBRARY["partisan_designee"].happened(result)
+    assert evidence and " 0 attacker means refused" not in evidence, evidence
+    violations, measured = check(result)
+    assert violations == [] and measured["I2_states_per_round"] == 1 and measured["I4_completed_fraction"] == 1.0
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 def test_a_designee_that_signs_its_mean_times_minus_1000_is_refused_by_every_honest_peer(seed: int) -> None:
     """lying_designee (one attacker of 8 whose ready records come first: it is every sub-piece's

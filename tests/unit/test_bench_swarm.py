@@ -7,13 +7,14 @@ import json
 import pytest
 
 from bench import swarm as bench
-from hivetrain.peer.sim.attacks import ANY_ATTACKS, ATTACK_NAMES, FIRST_ATTACKS, LATEST_ATTACKS
+from hivetrain.peer.sim.attacks import ANY_ATTACKS, ATTACK_NAMES, FIRST_ATTACKS, LATEST_ATTACKS, NOW_ATTACKS
 from hivetrain.peer.sim.measure import bandwidth_bound
 from hivetrain.peer.sim.search import (
     ANY_SEEDS,
     LARGE_SEEDS,
     LATEST_SEEDS,
     MAX_CONTAINER,
+    NEXT_SEEDS,
     NOW_SEEDS,
     RELAY_SEEDS,
     check,
@@ -118,10 +119,11 @@ def test_the_bandwidth_bound_lets_a_slow_member_send_its_parts_once() -> None:
 def test_each_search_family_draws_its_own_frozen_attacks_and_the_latest_the_whole_library() -> None:
     # (a documented seed keeps its schedule when the library grows: only the last family sees new attacks)
     assert ATTACK_NAMES[:len(FIRST_ATTACKS)] == FIRST_ATTACKS and ATTACK_NAMES[:len(ANY_ATTACKS)] == ANY_ATTACKS
-    assert ATTACK_NAMES[:len(LATEST_ATTACKS)] == LATEST_ATTACKS
+    assert ATTACK_NAMES[:len(LATEST_ATTACKS)] == LATEST_ATTACKS and ATTACK_NAMES[:len(NOW_ATTACKS)] == NOW_ATTACKS
     small = {a for s in range(300) for a in schedule(s).attacks}
     any_ = {a for s in range(ANY_SEEDS, ANY_SEEDS + 300) for a in schedule(s).attacks}
     latest = {a for s in range(LATEST_SEEDS, LATEST_SEEDS + 300) for a in schedule(s).attacks}
     now = {a for s in range(NOW_SEEDS, NOW_SEEDS + 300) for a in schedule(s).attacks}
     assert small == set(FIRST_ATTACKS) and any_ == set(ANY_ATTACKS) and latest == set(LATEST_ATTACKS)
-    assert now == set(ATTACK_NAMES)
+    later = {a for s in range(NEXT_SEEDS, NEXT_SEEDS + 300) for a in schedule(s).attacks}
+    assert now == set(NOW_ATTACKS) and later == set(ATTACK_NAMES)

@@ -534,3 +534,87 @@ def test_a_witness_countersigns_only_the_mean_it_recomputes_from_the_same_groups
             d.stop()
 
     asyncio.run(go())
+
+
+def test_a_witness_refuses_a_mean_of_groups_chosen_to_leave_the_rounds_groups_out() -> None:
+    """partisan_designee: a designee named one group alone, a group of one it made up of itself (no
+    other member's word is needed) with an honest group's values reversed, and sent it to its
+    witness too: the mean was right for the groups it named, and the witness signed it (I1 broke in
+    4 of 6 seeds). Now the witness also measures the mean against its own mean of the groups it
+    holds: within the groups' spread (each group's distance to its nearest other) an honest
+    designee's view may differ from ours (a mean of one real group chosen among several is still
+    within it: an honest group's values); a mean further off is refused."""
+    import dataclasses
+
+    from hivetrain.peer.averaging.behaviour import HONEST
+    from hivetrain.peer.averaging.statements import Where, sign_part
+
+    designees = [Identity.generate() for _ in range(3)]
+    reducers = [Identity.generate() for _ in range(4)]
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    primary, witness = plan.ranked(0, 0)[:2]
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans=set(), trust=Trust(),
+                          identity=next(i for i in designees if i.peer_id == witness), behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    d._seen([r.peer_id for r in reducers] + [primary])
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    codec = ctx.codec.for_results(MAX_GROUP)
+    torch.manual_seed(0)
+    common = torch.randn(b - a)
+    made_up = "9" * 64
+    groups = {f"{i + 1}" * 64: (r, common + 0.5 * torch.randn(b - a)) for i, r in enumerate(reducers)}
+    signer = next(i for i in designees if i.peer_id == primary)
+    groups[made_up] = (signer, -common)  # the designee itself, the update reversed
+
+    def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
+        r, values = groups[group]
+        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
+        body = bytes(codec.encode(values))
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
+                 "witness": witness}, body)
+
+    def asked(body: bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
+        return ({"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
+                 "result": hashlib.sha256(body).hexdigest(), "weight": sum(weights.values()), "groups": len(weights),
+                 "enc": MAX_GROUP, "manifest": [[bytes.fromhex(g), w] for g, w in sorted(weights.items())]}, body)
+
+    async def go() -> None:
+        try:
+            for group, (r, _) in groups.items():
+                assert (await d.accept(r.peer_id, *sub_piece(group)))[0] == Code.OK
+            entries = d.work[(0, 0, 0)].entries
+            code, why, _ = await d.check(primary, *asked(entries[made_up].body, {made_up: 1}))  # the made-up group alone
+            assert code == Code.MALFORMED and "lies" in why and d.refused[(0, 0)] == (primary, why)
+            # an honest designee's mean: every group it holds (the made-up one too, one row of five)
+            everyone = dict.fromkeys(groups, 1)
+            mean, _, _, _ = d._mean(0, 0, list(entries.values()))
+            code, why, sig = await d.check(primary, *asked(mean, everyone))
+            assert code == Code.OK and sig, why
+        finally:
+            d.stop()
+
+    asyncio.run(go())
+
+
+def test_the_groups_spread_is_robust_to_a_group_far_off_and_to_copies() -> None:
+    """What a witness allows between a designee's mean and its own (``groups_spread``): far off
+    groups with less than half the weight do not widen it, copies of an honest group keep it on the
+    honest groups' scale, and a group alone or with most of the weight has none."""
+    from hivetrain.peer.averaging.cross import groups_spread
+
+    torch.manual_seed(1)
+    common = torch.randn(256)
+    honest = [common + 0.3 * torch.randn(256) for _ in range(4)]
+    base = groups_spread(honest, [1.0] * 4)
+    assert 0 < base < float(common.norm())
+    far = groups_spread(honest + [-50 * common], [1.0] * 5)
+    assert far <= 1.2 * base  # (the far group is one row of five)
+    assert groups_spread(honest + [honest[0].clone()], [1.0] * 5) <= 1.5 * base
+    assert groups_spread(honest[:1], [3.0]) == 0.0
+    assert groups_spread([honest[0], -50 * common], [4.0, 1.0]) == 0.0  # one group with most of the weight
