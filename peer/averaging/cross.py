@@ -942,7 +942,7 @@ class Desk:
         # (the mean is right for the groups it names; whether they are the round's is the next question: a
         # designee that named only a group of one it made up of itself was the whole mean, search attack
         # partisan_designee, 1.83x)
-        why = await asyncio.to_thread(self._far, k, j, unit, body, enc)
+        why = "" if self._all_counted(unit, manifest) else await asyncio.to_thread(self._far, k, j, unit, body, enc)
         if why:
             self.refused.setdefault((k, j), (sender, why))
             logger.warning("round %d: we refused to countersign %s's mean of sub-piece (%d, %d): %s", self.round,
@@ -969,6 +969,16 @@ class Desk:
         diff = (a - b).abs()
         step = float(a.abs().max()) / 127.0
         return bool(diff.max() <= 1.5 * step) and int((diff > 0).sum()) <= numel // WITNESS_SLACK
+
+    @staticmethod
+    def _all_counted(unit: _Unit, manifest: dict[str, int]) -> bool:
+        """Whether a designee's groups are every group we hold whose values count, each with all the
+        weight its members' words allow: then it chose nobody out (``_far`` has nothing to measure)."""
+        counting = [dataclasses.replace(e, banned=False) for e in unit.entries.values()]
+        counting = [e for e in counting if e.counts()]
+        times = Counter(v for e in counting for v in e.vouched)
+        return all(manifest.get(e.group, 0) >= min(e.weight, len({v for v in e.vouched if times[v] == 1}))
+                   for e in counting)
 
     def _far(self, k: int, j: int, unit: _Unit, theirs: bytes, enc: int) -> str:
         """Why a designee's mean of sub-piece (k, j) (the right mean of the groups it names: ``check``)
