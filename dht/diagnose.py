@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 from collections.abc import Sequence
 
 from multiaddr import Multiaddr
+
+from hivetrain.dht.errors import ListenError
 
 
 def tcp_endpoint(maddr: Multiaddr | str) -> tuple[str, str, int] | None:
@@ -23,6 +26,31 @@ def tcp_endpoint(maddr: Multiaddr | str) -> tuple[str, str, int] | None:
 
 def family(proto: str) -> socket.AddressFamily:
     return socket.AF_INET6 if proto == "ip6" else socket.AF_INET
+
+
+def port_free(proto: str, ip: str, port: int) -> bool:
+    """Whether nothing listens on (ip, port): a bind without SO_REUSEPORT fails while p2pd or anyone
+    else listens there (SO_REUSEADDR: connections of a stopped peer in TIME_WAIT do not count)."""
+    with socket.socket(family(proto), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            hint = ": ports below 1024 need root (or CAP_NET_BIND_SERVICE); pick one above" if port < 1024 else ""
+            raise ListenError(f"cannot listen on {ip} port {port}: {e.strerror}{hint}") from None
+    return True
+
+
+def check_ports(host_maddrs: Sequence[str]) -> None:
+    """Raises ListenError (one line: a usage error) for the first explicit port that is in use."""
+    for maddr in host_maddrs:
+        where = tcp_endpoint(maddr)
+        if where is not None and where[2] != 0 and not port_free(*where):
+            proto, ip, port = where
+            raise ListenError(f"port {port} on {ip} is already in use (another peer?): stop it, or listen "
+                              f"elsewhere with --host-maddrs /{proto}/{ip}/tcp/<free port>")
 
 
 def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:

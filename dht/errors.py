@@ -15,6 +15,10 @@ class AddressError(BootstrapError):
     """A multiaddr given by the user is malformed (a usage error, not a network failure)."""
 
 
+class ListenError(AddressError):
+    """A listen address given by the user cannot be used: its port is in use, or needs privileges."""
+
+
 class InvalidRecord(DHTError):
     """A record is malformed, oversized, expired too far ahead, or its signature does not verify."""
 

@@ -7,6 +7,7 @@ trust ledger, and trains until told to stop. Everything it has to say goes throu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hivetrain.dht.diagnose import check_ports
 from hivetrain.dht.errors import DHTError
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
@@ -108,11 +110,13 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
     choice.refuse_for_joiner(spec)
+    if spec.dataset == "sotu" and options.data_path is not None:  # (before the files are read: drop them, not fix them)
+        raise ConfigError(f"run {choice.run_key} trains on the bundled sotu corpus; drop --data")
+    say(f"joined run {choice.run_key}: {spec.sync_every} inner steps a round, groups of {spec.target_group_size}, "
+        f"data {spec.dataset}")
     corpus = _load_data(options.data_path, say)
     if spec.dataset != "sotu" and spec.dataset != f"files:{corpus.digest}":
         raise ConfigError(f"run {choice.run_key} trains on {spec.dataset}; pass --data with exactly that corpus")
-    if spec.dataset == "sotu" and options.data_path is not None:
-        raise ConfigError(f"run {choice.run_key} trains on the bundled sotu corpus; drop --data")
     opened = Opened(choice.run_key, spec, corpus)
     if spec.hf_config:
         opened = _join_hf(opened, options, say)
@@ -221,11 +225,23 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
             raise ConfigError(f"--info-file {info_file}: cannot write it ({e.strerror or e})") from None
 
 
+def auto_device() -> tuple[str, str]:
+    """``--device auto``: (the device, why it was chosen) - the first CUDA device when torch sees
+    one, else the CPU."""
+    if torch.cuda.is_available():
+        return "cuda", f"--device auto: {torch.cuda.get_device_name(0)}"
+    return "cpu", "--device auto: no CUDA device here"
+
+
 def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: float = 120.0,
              info_file: str | None = None, progress: Callable[..., None] | None = None) -> dict[str, Any]:
     """Joins (or starts) a run and trains until ``options.max_rounds`` (0: until interrupted);
     returns the training totals."""
     behaviour = FaultPlan.parse(options.fault, options.fault_log)
+    if options.device == "auto":
+        device, why = auto_device()
+        options = dataclasses.replace(options, device=device)
+        say(f"device: {device} ({why}; --device chooses another)")
     if options.threads:
         torch.set_num_threads(options.threads)
     if options.device.startswith("cuda") and not torch.cuda.is_available():
@@ -244,7 +260,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     else:
         identity = _load_identity(options.identity_path or os.path.join(options.state_dir, reach.IDENTITY_FILE))
         hosts = reach.remembered(options.state_dir, options.host_maddrs)
-    reach.check_ports(hosts)
+    check_ports(hosts)
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=tuple(hosts),
                          announce_maddrs=options.announce_maddrs, identity=identity,
                          timeout=options.dht_timeout)).start()

@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--model", metavar="DIR",
                       help="a Hugging Face model folder (config.json, tokenizer, *.safetensors): the model of a new run; "
                            "joining a run on such a model, its config and tokenizer (weights optional) (default: none)")
-    peer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    peer.add_argument("--device", default="auto",
+                      help="auto, cpu or cuda[:N] (default auto: the first CUDA device when there is one, else the CPU)")
     peer.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     peer.add_argument("--micro-batch", type=int, default=0, metavar="N",
                       help="gradient accumulation: N sequences at a time, to the run's batch (default: all at once)")
@@ -280,7 +281,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     bind = parse_bind(args.dashboard, args.dashboard_public) if args.dashboard else None
     count = args.count if args.watch or bind else 1  # a dashboard is served until Ctrl+C (or --count)
-    return run_status(args.run.strip().lower(), tuple(args.initial_peers), args.json, args.interval,
+    return run_status(args.run, tuple(args.initial_peers), args.json, args.interval,
                       count, args.dht_timeout, bind, args.dashboard_public)
 
 

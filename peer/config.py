@@ -355,7 +355,7 @@ class PeerOptions:
     ephemeral: bool = False  # a fresh identity and port for this session: nothing about it is kept
     data_path: str | None = None
     model_path: str | None = None  # a Hugging Face model folder: a new run's model, or a joined run's tokenizer
-    device: str = "cpu"
+    device: str = "cpu"  # or "cuda[:N]", or "auto": CUDA when present, else the CPU (the command line's default)
     threads: int = 0  # 0: leave torch's default
     metrics_file: str | None = None
     max_rounds: int = 0  # rounds this process trains (from where it starts); 0: until stopped
@@ -381,5 +381,5 @@ class PeerOptions:
         _check_int("peer", "wait_for_peers", self.wait_for_peers, 1, 64)
         _check_int("peer", "micro_batch", self.micro_batch, 0, 4096)
         _check_range("peer", "memory_limit_gib", self.memory_limit_gib, 0.0, 1e6)
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ConfigError(f"--device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -135,12 +136,13 @@ def run_demo(args: argparse.Namespace) -> int:
     target = getattr(args, "target_group_size", None)
     if target is not None and not 1 <= target <= 64:
         raise ConfigError("--target-group-size must be between 1 and 64")
+    made = not args.dir  # a folder of our own: removed when the demo succeeds (kept, and named, if not)
     workdir = args.dir or tempfile.mkdtemp(prefix="hivetrain-demo-")
     os.makedirs(workdir, exist_ok=True)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     groups = f" in groups of {target}" if target and target < args.peers else ""
     say(f"demo: {args.peers} peers x {args.rounds} rounds of the {args.preset!r} preset on 127.0.0.1{groups} "
-        f"(logs in {workdir})")
+        f"(logs in {workdir}{', removed if it succeeds' if made else ''})")
     deadline = time.monotonic() + args.timeout
     swarm = Swarm(workdir)
     try:
@@ -186,4 +188,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary), flush=True)
     ok = summary["rounds_completed"] == args.rounds and summary["identical_hashes"]
+    if made and ok:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif made:
+        say(f"logs kept in {workdir}")
     return 0 if ok else 1

@@ -28,7 +28,7 @@ import torch
 
 from hivetrain.dht.identity import parse_run_key
 from hivetrain.peer.config import ModelConfig, RunSpec
-from hivetrain.peer.errors import ConfigError, StateMismatch
+from hivetrain.peer.errors import ConfigError
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.train.diloco import copy_flat_to_params
 from hivetrain.peer.train.model import Block, Llama, count_parameters
@@ -155,7 +155,7 @@ def _export_hf(spec: RunSpec, run_key: str, ckpt_dir: str, out: Path) -> dict[st
     numel = count_parameters(model)
     snapshot = checkpoint.read(os.path.join(ckpt_dir, f"{run_key}.ckpt"), numel)
     if snapshot is None:
-        raise StateMismatch(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
+        raise ConfigError(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
     folder = tokenizer_path(ckpt_dir, run_key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -175,7 +175,7 @@ def _export_hf(spec: RunSpec, run_key: str, ckpt_dir: str, out: Path) -> dict[st
 
 
 def export_run(run_key: str, state_dir: str, out_dir: str) -> dict[str, Any]:
-    """Writes the folder (see the module doc); returns what it wrote. Raises ConfigError / StateMismatch.
+    """Writes the folder (see the module doc); returns what it wrote. Raises ConfigError (one line: the CLI exits 2).
     The key names files in the state folder, so it must be a run key (no ``/`` or ``..``) before
     anything is opened; keys are case-insensitive, as everywhere."""
     run_key = run_key.strip().lower() if isinstance(run_key, str) else run_key
@@ -194,7 +194,7 @@ def export_run(run_key: str, state_dir: str, out_dir: str) -> dict[str, Any]:
         numel = count_parameters(Llama(spec.model))
     snapshot = checkpoint.read(os.path.join(ckpt_dir, f"{run_key}.ckpt"), numel)
     if snapshot is None:
-        raise StateMismatch(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
+        raise ConfigError(f"run {run_key} has a spec but no checkpoint in {ckpt_dir}: it never finished a round here")
     from safetensors.torch import save_file
 
     model = Llama(spec.model)

@@ -73,12 +73,25 @@ def check_writable(flag: str, path: str, example: str, probe: str | None = None)
         os.remove(target)
 
 
+def run_key(text: str) -> str:
+    """``--run``'s key, lower case (base32 is case-insensitive; run names are lower case), or one line
+    saying what is wrong with it (before bootstrap: an unreachable peer must not hide a mistyped key)."""
+    from hivetrain.dht.identity import parse_run_key
+
+    key = text.strip().lower()
+    try:
+        parse_run_key(key)
+    except ValueError as e:
+        raise ConfigError(f"--run: {e}") from None
+    return key
+
+
 def check_start(args: argparse.Namespace) -> None:
     """What can be refused before anything starts (torch, the p2p daemon, the DHT), each in one line."""
     from hivetrain.peer.config import PeerOptions
 
     if args.run is not None:
-        args.run = args.run.strip().lower()  # base32 is case-insensitive; run names are lower case
+        args.run = run_key(args.run)
         if not args.initial_peers:
             raise ConfigError("joining a run needs --initial-peers MADDR: the address a peer of the run printed "
                               "(its 'join with:' line), e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
@@ -96,6 +109,9 @@ def check_start(args: argparse.Namespace) -> None:
         raise in_flags(e) from None
     if args.new_run is not None:
         check_spec(args.new_run, args.preset, {k: getattr(args, k) for k in SPEC_FLAGS}, bool(args.model))
+    from hivetrain.dht.diagnose import check_ports
+
+    check_ports(args.host_maddrs)  # (an explicit port in use or privileged: one line, before the daemon)
     if args.metrics_file:
         check_writable("--metrics-file", args.metrics_file, "metrics.jsonl")
     if args.info_file:  # written as PATH.tmp, then renamed (peer/app.py ``announce``)
@@ -120,6 +136,7 @@ def check_status(args: argparse.Namespace) -> None:
     """``peer status``'s flags, before torch and hivemind are imported."""
     from hivetrain.peer.config import PeerOptions
 
+    args.run = run_key(args.run)
     if args.count < 0:
         raise ConfigError(f"--count must be 0 or more, got {args.count}")
     if not args.interval > 0:

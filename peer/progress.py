@@ -57,11 +57,13 @@ class Console:
             self.out.flush()
 
     def close(self) -> None:
+        """Erases the live line for good: what is said after (the ``done:`` line) is a plain line."""
         self._stop.set()
-        if self.live:
-            with self._lock:
+        with self._lock:
+            if self.live:
                 self.out.write(ERASE)
                 self.out.flush()
+            self.live = False
 
     def _tick(self) -> None:
         while not self._stop.wait(TICK):

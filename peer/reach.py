@@ -14,18 +14,15 @@ member (peer/averaging/views.py).
 from __future__ import annotations
 
 import asyncio
-import errno
 import ipaddress
 import json
 import logging
 import os
 import random
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hivetrain.dht.diagnose import family, tcp_endpoint
-from hivetrain.dht.errors import BootstrapError
+from hivetrain.dht.diagnose import port_free, tcp_endpoint
 from hivetrain.dht.facade import LoopRunner
 from hivetrain.peer.net.dialback import (
     ASK_TIMEOUT,
@@ -43,30 +40,6 @@ IDENTITY_FILE = "identity.key"
 MAX_REMEMBERED = 8  # addresses kept in listen.json
 WILDCARDS = ("0.0.0.0", "::")
 logger = logging.getLogger(__name__)
-
-
-def port_free(proto: str, ip: str, port: int) -> bool:
-    """Whether nothing listens on (ip, port): a bind without SO_REUSEPORT fails while p2pd or anyone
-    else listens there (SO_REUSEADDR: connections of a stopped peer in TIME_WAIT do not count)."""
-    with socket.socket(family(proto), socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((ip, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return False
-            raise BootstrapError(f"cannot listen on {ip} port {port}: {e.strerror}") from None
-    return True
-
-
-def check_ports(host_maddrs: Sequence[str]) -> None:
-    """Raises BootstrapError (one line) for the first explicit port that is already in use."""
-    for maddr in host_maddrs:
-        where = tcp_endpoint(maddr)
-        if where is not None and where[2] != 0 and not port_free(*where):
-            proto, ip, port = where
-            raise BootstrapError(f"port {port} on {ip} is already in use (another peer?): stop it, or listen "
-                                 f"elsewhere with --host-maddrs /{proto}/{ip}/tcp/<free port>")
 
 
 def remembered(state_dir: str, host_maddrs: Sequence[str]) -> list[str]:

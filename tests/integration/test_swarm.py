@@ -89,6 +89,16 @@ def test_unknown_and_malformed_run_key(swarm, tmp_path: Path) -> None:
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert "malformed" in malformed.stderr
 
+    # --data on a run of the bundled corpus: told to drop it, before it is read (not to convert it)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 ".encode("latin-1") * 4096)
+    key = owner.wait_info()["run_key"]
+    dropped = run_cli("start", "--run", key, "--initial-peers", maddr, "--data", str(latin1), "--dht-timeout", "10",
+                      "--state-dir", str(tmp_path / "joiner"))
+    lines = [line for line in dropped.stderr.splitlines() if line.strip()]
+    assert dropped.returncode == 2 and len(lines) == 1 and "drop --data" in lines[0], dropped.stderr
+    assert f"joined run {key}" not in dropped.stdout  # (refused before it says it joined)
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="process groups and p2pd are tested on Linux")
 def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
@@ -97,11 +107,14 @@ def test_joining_peer_gets_the_spec_and_averages(swarm) -> None:
                   "--target-group-size", "2", "--wait-for-peers", "2", "--quiet")
     info = owner.wait_info()
     joiner = swarm("joiner", "--run", info["run_key"], "--initial-peers", info["maddrs"][0],
-                   "--until-round", "2", "--wait-for-peers", "2", "--quiet")
+                   "--until-round", "2", "--wait-for-peers", "2")
     assert owner.wait(120) == 0 and joiner.wait(120) == 0
     a, b = owner.records(), joiner.records()
     assert [r["state_hash"] for r in a] == [r["state_hash"] for r in b]
     assert all(r["group_size"] == 2 for r in a + b)
+    said = joiner.log.read_text()  # what a volunteer sees: which run it joined, and on which device
+    assert f"joined run {info['run_key']}: 3 inner steps a round, groups of 2, data sotu" in said, said[-2000:]
+    assert "device: cpu (--device auto: no CUDA device here" in said, said[-2000:]
 
 
 @pytest.mark.parametrize("codec", [["--error-feedback"], ["--compression", "sparse"]], ids=["int8-ef", "sparse"])

@@ -231,3 +231,19 @@ def test_fault_plan_fires_only_at_its_point_and_round() -> None:
         plan.at("after_round", 3)
     assert plan.fired
     plan.at("after_round", 3)  # at most once: no second exit
+
+
+def test_device_auto_takes_cuda_when_torch_sees_it_else_the_cpu_and_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from hivetrain.peer.app import auto_device
+    from hivetrain.peer.config import PeerOptions
+
+    assert PeerOptions(device="auto").device == "auto"  # resolved when the peer starts (peer/app.py run_peer)
+    with pytest.raises(ConfigError, match="'auto', 'cpu' or 'cuda"):
+        PeerOptions(device="tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_device() == ("cpu", "--device auto: no CUDA device here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    assert auto_device() == ("cuda", "--device auto: NVIDIA H100 80GB HBM3")

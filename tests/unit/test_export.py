@@ -61,6 +61,9 @@ def test_export_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
     _, _, state = _trained_state(tmp_path)
     with pytest.raises(ConfigError, match="no checkpoint of run other"):
         export_run("other.abcdefghijklmnopqrstuvwxyz234567", str(state), str(tmp_path / "x"))
+    (state / "checkpoints" / f"{RUN}.ckpt").unlink()  # a spec, but no round finished here (review case 44)
+    with pytest.raises(ConfigError, match="it never finished a round here"):
+        export_run(RUN, str(state), str(tmp_path / "x"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):

@@ -34,3 +34,14 @@ def test_a_pipe_gets_plain_lines_only() -> None:
     console.say("round 0: train 4.000")
     console.close()
     assert out.getvalue() == "round 0: train 4.000\n"
+
+
+def test_the_live_line_is_not_drawn_again_after_the_console_is_closed() -> None:
+    # (review 2026-12-02, ux: the live line came back under "done: ...")
+    out = io.StringIO()
+    console = Console(out, live=True)
+    console.update(phase="computing", round=3, peers=4, group=3)
+    console.close()
+    console.say("done: 3 rounds completed, 0 void, 1.20 MB sent")
+    console.update(phase="averaging")
+    assert out.getvalue().endswith(ERASE + "done: 3 rounds completed, 0 void, 1.20 MB sent\n"), repr(out.getvalue()[-80:])

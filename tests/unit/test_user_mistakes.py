@@ -203,3 +203,30 @@ def test_the_spec_flags_of_a_run_on_a_hugging_face_model_are_checked_too(tmp_pat
 def test_errors_about_fields_no_flag_sets_keep_their_names() -> None:
     assert str(flags.in_flags(ConfigError("spec.hf_config lacks vocab_size"))) == "spec.hf_config lacks vocab_size"
     assert str(flags.in_flags(ConfigError("run name 'a b' is invalid"))) == "run name 'a b' is invalid"
+
+
+# ---- a mistyped run key or a port in use: refused before bootstrap (review cases 13, 29) --------------
+
+
+@pytest.mark.parametrize("command", [["start", "--run", "not-a-key", "--initial-peers", PEER],
+                                     ["status", "--run", "Foo.!!!!", "--initial-peers", PEER]])
+def test_a_malformed_run_key_is_refused_before_bootstrap(command: list[str], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # (the initial peer is dead: before, its "nothing listens" hid the mistyped key, exit 1)
+    extra = ["--state-dir", str(tmp_path / "state")] if command[0] == "start" else []
+    line = _one_line(command + extra, capsys)
+    assert line.startswith("error: --run: run key") and "is malformed" in line, line
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_listen_port_in_use_is_refused_before_the_daemon_starts(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = _one_line(_start(tmp_path, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"), capsys)
+    assert f"port {port} on 127.0.0.1 is already in use" in line, line
+    assert not (tmp_path / "state").exists()
