@@ -971,14 +971,18 @@ class Desk:
         return bool(diff.max() <= 1.5 * step) and int((diff > 0).sum()) <= numel // WITNESS_SLACK
 
     @staticmethod
-    def _all_counted(unit: _Unit, manifest: dict[str, int]) -> bool:
+    def _words(unit: _Unit) -> list[tuple[_Entry, int]]:
+        """The groups we hold whose values count, whatever our bans, each with the weight its members'
+        words allow (vouched members, each counted in one group only): the same for every witness."""
+        counting = [e for e in (dataclasses.replace(e, banned=False) for e in unit.entries.values()) if e.counts()]
+        times = Counter(v for e in counting for v in e.vouched)
+        return [(e, min(e.weight, len({v for v in e.vouched if times[v] == 1}))) for e in counting]
+
+    @classmethod
+    def _all_counted(cls, unit: _Unit, manifest: dict[str, int]) -> bool:
         """Whether a designee's groups are every group we hold whose values count, each with all the
         weight its members' words allow: then it chose nobody out (``_far`` has nothing to measure)."""
-        counting = [dataclasses.replace(e, banned=False) for e in unit.entries.values()]
-        counting = [e for e in counting if e.counts()]
-        times = Counter(v for e in counting for v in e.vouched)
-        return all(manifest.get(e.group, 0) >= min(e.weight, len({v for v in e.vouched if times[v] == 1}))
-                   for e in counting)
+        return all(manifest.get(e.group, 0) >= weight for e, weight in cls._words(unit))
 
     def _far(self, k: int, j: int, unit: _Unit, theirs: bytes, enc: int) -> str:
         """Why a designee's mean of sub-piece (k, j) (the right mean of the groups it names: ``check``)
@@ -1004,13 +1008,9 @@ class Desk:
             d = self.ctx.codec.for_results(enc).decode(theirs, numel)
         except CodecError as err:
             return f"its mean does not decode: {err}"
-        free = [dataclasses.replace(e, banned=False) for e in unit.entries.values()]  # (the words' weights)
-        counting = [e for e in free if e.counts()]
-        times = Counter(v for e in counting for v in e.vouched)
         rows: list[torch.Tensor] = []
         weights: list[float] = []
-        for c in counting:
-            weight = min(c.weight, len({v for v in c.vouched if times[v] == 1}))
+        for c, weight in self._words(unit):
             if weight > 0:
                 with contextlib.suppress(CodecError):
                     rows.append(self.ctx.codec.for_results(c.enc).decode(c.body, numel))
