@@ -52,6 +52,20 @@ class Learner(Protocol):
         ...
 
 
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Activation checkpointing: activations recomputed block by block in the backward pass (memory
+    for compute), on the built-in model or a Hugging Face one (``inner``)."""
+    inner = getattr(model, "inner", None)
+    if inner is None:
+        cast(Llama, model).checkpointing = True
+        return
+    enable = getattr(inner, "activation_checkpointing_enable", None)  # (transformers >= 5.2; the old name warns)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class LMLearner:
     """A language model (the spec's built-in one, or a Hugging Face ``model``) trained with AdamW on
     this peer's shard of ``corpus``."""
@@ -65,12 +79,8 @@ class LMLearner:
         self.micro_batch = micro_batch or spec.batch_size  # gradient accumulation in pieces of this many sequences
         model = model if model is not None else build_model(spec.model, spec.init_seed)
         self.model = model.to(self.device)
-        if checkpointing:  # activations recomputed block by block in the backward pass: memory for compute
-            inner = getattr(self.model, "inner", None)
-            if inner is not None:
-                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                cast(Llama, self.model).checkpointing = True
+        if checkpointing:
+            checkpoint_blocks(self.model)
         # the module the inner steps call: compiled on request (same parameters; evaluation stays eager)
         self.step_model: Callable[..., Any] = torch.compile(self.model) if compile else self.model
         self.inner_opt = torch.optim.AdamW(  # fused into one kernel per step on a GPU

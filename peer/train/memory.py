@@ -1,4 +1,4 @@
-"""The memory plan a peer states at start, and the refusal of a model that will not fit.
+"""The memory plan a peer states at start, chosen to fit its device, and the refusal when nothing fits.
 
 On the training device: parameters, gradients and AdamW's two moments (fp32, 4 bytes each), and the
 activations kept for the backward pass of one micro-batch. On the CPU, always: the outer state
@@ -19,14 +19,16 @@ memory) for the allocator, the kernels and the framework.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hivetrain.peer.config import ModelConfig
 from hivetrain.peer.errors import ConfigError
 
 MARGIN = 0.85  # share of the device's memory a plan may use
 GIB = 1024**3
+MIN_GPU_TOKENS = 2048  # tokens in a micro-batch below which a GPU is underused (prefer checkpointing; see choose)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class MemoryPlan:
     seq_len: int
     host: int  # bytes on the CPU besides the model: outer state, scratch, served snapshots
     checkpointing: bool = False
+    why: str = ""  # what ``choose`` chose for the user and why ("": the whole batch, or the user's flags)
 
     @property
     def on_device(self) -> int:
@@ -52,13 +55,16 @@ class MemoryPlan:
         return self.on_device + (0 if self.device.startswith("cuda") else self.host)
 
     def describe(self, budget: int) -> str:
+        """One line: what is planned where, against ``budget`` bytes, and what was chosen and why."""
         accumulate = f" ({self.batch // self.micro_batch} micro-batches of {self.micro_batch})" \
             if self.micro_batch < self.batch else ""
+        how = accumulate + (" (activation checkpointing)" if self.checkpointing else "")
         return (f"memory plan on {self.device}: parameters {_gib(self.parameters)}, gradients {_gib(self.gradients)}, "
                 f"AdamW {_gib(self.optimizer)}, activations ~{_gib(self.activations)} at batch {self.batch} x "
-                f"{self.seq_len} tokens{accumulate}{' (activation checkpointing)' if self.checkpointing else ''}, "
+                f"{self.seq_len} tokens{how}, "
                 f"outer state and served snapshots {_gib(self.host)} on the CPU: {_gib(self.needed)} of "
-                f"{_gib(budget)}" + ("" if self.device.startswith("cuda") else " (one memory)"))
+                f"{_gib(budget)}" + ("" if self.device.startswith("cuda") else " (one memory)")
+                + (f"; {self.why}" if self.why else ""))
 
 
 def _gib(n: int) -> str:
@@ -121,8 +127,66 @@ def _available_ram() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
-    """Raises ConfigError, in one line with what would fit, if ``p`` does not fit ``budget``."""
+def choose(model: ModelConfig, batch: int, seq_len: int, device: str, budget: int, micro_batch: int = 0,
+           checkpointing: bool = False) -> MemoryPlan:
+    """The plan to train with within ``budget`` bytes (pure: ``device`` is only a name). With the user's
+    ``micro_batch`` or ``checkpointing``, that plan (ConfigError, with what would fit, if it does not);
+    else the first that fits, in the order of the module's docstring, its ``why`` saying what was chosen.
+    Raises ConfigError, in one line, when nothing fits."""
+    if micro_batch or checkpointing:
+        p = plan(model, batch, seq_len, device, micro_batch, checkpointing)
+        flags = " ".join(([f"--micro-batch {micro_batch}"] if micro_batch else [])
+                         + (["--activation-checkpointing"] if checkpointing else []))
+        check(p, budget, model, flags)
+        return p
+    whole, allowed = plan(model, batch, seq_len, device), int(MARGIN * budget)
+    if whole.needed <= allowed:
+        return whole
+    plain = _largest(model, batch, seq_len, device, allowed, False)
+    ckpt = _largest(model, batch, seq_len, device, allowed, True)
+    floor = min(batch, math.ceil(MIN_GPU_TOKENS / seq_len)) if device.startswith("cuda") else 1
+    if plain is not None and (plain.micro_batch >= floor or ckpt is None or ckpt.micro_batch <= plain.micro_batch):
+        chosen = plain
+    elif ckpt is not None:
+        chosen = ckpt
+    else:
+        raise ConfigError(_nothing_fits(plan(model, batch, seq_len, device, 1, True), allowed))
+    small = (f"without it only micro-batches of {plain.micro_batch} fit ({plain.micro_batch * seq_len} tokens: too "
+             "few to keep a GPU busy); " if chosen is ckpt and plain is not None else "")
+    return replace(chosen, why=f"chose {_what(chosen)}: the run's batch of {batch} at once needs "
+                               f"{_gib(whole.needed)}, over the {_gib(allowed)} ({MARGIN:.0%}) a plan may use; "
+                               f"{small}--micro-batch and --activation-checkpointing choose otherwise")
+
+
+def _largest(model: ModelConfig, batch: int, seq_len: int, device: str, allowed: int,
+             checkpointing: bool) -> MemoryPlan | None:
+    """The plan with the largest micro-batch (a divisor of ``batch``) that fits ``allowed`` bytes, or None."""
+    for m in range(batch, 0, -1):
+        if batch % m == 0 and (p := plan(model, batch, seq_len, device, m, checkpointing)).needed <= allowed:
+            return p
+    return None
+
+
+def _what(p: MemoryPlan) -> str:
+    pieces = f"{p.batch // p.micro_batch} micro-batches of {p.micro_batch} (the same mean gradient)" \
+        if p.micro_batch < p.batch else ""
+    if not p.checkpointing:
+        return pieces
+    return "activation checkpointing (about a third more compute)" + (f" and {pieces}" if pieces else "")
+
+
+def _nothing_fits(least: MemoryPlan, allowed: int) -> str:
+    """The refusal when not even checkpointing with micro-batches of one fits (``least`` is that plan)."""
+    fixed = least.needed - least.activations
+    alone = "parameters, gradients, AdamW" + ("" if least.needed == least.on_device else ", outer state and snapshots")
+    return (f"this model will not fit {least.device}: even with activation checkpointing and micro-batches of 1 it "
+            f"needs about {_gib(least.needed)} ({alone}: {_gib(fixed)}) and {MARGIN:.0%} of the device is "
+            f"{_gib(allowed)}; use a device with more memory or join a run of a smaller model")
+
+
+def check(p: MemoryPlan, budget: int, model: ModelConfig, flags: str = "") -> None:
+    """Raises ConfigError, in one line with what would fit, if ``p`` does not fit ``budget``; ``flags``:
+    the user's own choice that made ``p`` (named in the message)."""
     allowed = int(MARGIN * budget)
     if p.needed <= allowed:
         return
@@ -136,8 +200,8 @@ def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
         if not p.checkpointing else []
     ckpt_advice = ""
     if with_ckpt:
-        flags = "--activation-checkpointing" + (f" --micro-batch {with_ckpt[0]}" if with_ckpt[0] < p.batch else "")
-        ckpt_advice = f"pass {flags} (recomputes activations in the backward pass: about {_gib(need(with_ckpt[0], True))})"
+        offer = "--activation-checkpointing" + (f" --micro-batch {with_ckpt[0]}" if with_ckpt[0] < p.batch else "")
+        ckpt_advice = f"pass {offer} (recomputes activations in the backward pass: about {_gib(need(with_ckpt[0], True))})"
     if fixed > allowed:
         alone = "the parameters, gradients and AdamW" + ("" if p.needed == p.on_device else ", outer state and snapshots")
         advice = (f"{alone} alone need {_gib(fixed)}: use a device with more memory, "
@@ -149,7 +213,10 @@ def check(p: MemoryPlan, budget: int, model: ModelConfig) -> None:
         advice = ckpt_advice
     else:
         advice = "not even a micro-batch of 1 fits: use a device with more memory"
-    raise ConfigError(f"this model will not fit {p.device}: it needs about {_gib(p.needed)} (parameters, "
+    if flags and fixed <= allowed and advice.startswith("pass"):
+        advice += f"; or drop {flags} and the plan chooses"
+    given = f" with {flags}" if flags else ""
+    raise ConfigError(f"this model will not fit {p.device}{given}: it needs about {_gib(p.needed)} (parameters, "
                       f"gradients, AdamW, activations at micro-batch {p.micro_batch}"
                       f"{'' if p.needed == p.on_device else ', outer state'}) and {int(MARGIN * 100)}% of "
                       f"the device is {_gib(allowed)}; {advice}")

@@ -118,8 +118,11 @@ def test_a_stock_hivemind_dht_node_works_as_the_initial_peer(swarm, tmp_path: Pa
 
 
 def test_a_model_that_will_not_fit_is_one_line_before_anything_starts(tmp_path: Path) -> None:
-    """A simulated 2 GiB device: the medium preset's plan does not fit; the error says what would."""
+    """A simulated 2 GiB device and the user's own micro-batch of 32 (the whole batch): the medium
+    preset does not fit; the error says what would. (Without the flag the plan chooses micro-batches
+    of 1 by itself: tests/unit/test_memory.py.)"""
     line = one_line(run_cli("start", "--new-run", "big", "--preset", "medium", "--memory-limit", "2",
-                            "--state-dir", str(tmp_path / "s")))
-    assert "will not fit cpu" in line and "--micro-batch" in line, line
+                            "--micro-batch", "32", "--state-dir", str(tmp_path / "s")))
+    assert "will not fit cpu with --micro-batch 32" in line and "pass --micro-batch 1" in line, line
+    assert line.endswith("; or raise --memory-limit (now 2 GiB)"), line
     assert not (tmp_path / "s").exists()  # refused before the state folder, the daemon or the DHT

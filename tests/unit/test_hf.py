@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hivetrain.peer.config import RunSpec, hf_summary
 from hivetrain.peer.errors import ConfigError, DataError
 from hivetrain.peer.train import hf
 from hivetrain.peer.train.data import load_text_files, split_documents
+from hivetrain.peer.train.learner import checkpoint_blocks
 from tests.hfmodel import make_tiny_hf, write_jsonl, write_parquet
 
 
@@ -139,3 +141,20 @@ def test_a_peer_holds_the_runs_start_exactly_when_its_weights_make_that_state(so
 
     assert trainer(source.model).held  # its own folder's weights: the start the spec names
     assert not trainer(hf.from_config(source.config_json)).held  # built from the config alone: another state
+
+
+def test_activation_checkpointing_of_a_hf_model_gives_the_same_gradient_and_no_warning(source: hf.Source) -> None:
+    """The memory plan may choose checkpointing by itself (step 15): a Hugging Face model takes it
+    under transformers' current name, silently, and its gradient is unchanged."""
+    idx, y = torch.randint(0, 320, (2, 16)), torch.randint(0, 320, (2, 16))
+    plain, ckpt = hf.from_config(source.config_json), hf.from_config(source.config_json)
+    ckpt.load_state_dict(plain.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint_blocks(ckpt)
+    assert getattr(ckpt.inner, "is_activation_checkpointing", None) or ckpt.inner.is_gradient_checkpointing
+    for model in (plain, ckpt):
+        model.train()
+        model(idx, y)[1].backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-6)

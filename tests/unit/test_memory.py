@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bench.throughput import _NoAverager
-from hivetrain.peer.config import PRESETS, RunSpec
+from hivetrain.peer.app import fits
+from hivetrain.peer.config import PRESETS, ModelConfig, PeerOptions, RunSpec
 from hivetrain.peer.errors import ConfigError
 from hivetrain.peer.train import memory
 from hivetrain.peer.train.data import load_sotu
@@ -89,3 +90,84 @@ def test_a_compiled_inner_loop_trains_like_the_eager_one() -> None:
     assert abs(eager.inner_steps()[0] - compiled.inner_steps()[0]) < 1e-4
     for a, b in zip(eager.model.parameters(), compiled.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+# SmolLM2-135M's sizes as the spec records them (peer/config.py hf_summary of its config.json), and the
+# batch a run on a Hugging Face model has by default (peer/app.py HF_DEFAULTS): 8 sequences of 512 tokens
+SMOLLM2 = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, ffn_hidden=1536, max_seq_len=8192,
+                      rope_theta=100000.0)
+
+
+def _chosen(device: str, gib: float, batch: int = 8, seq_len: int = 512) -> tuple[int, bool]:
+    p = memory.choose(SMOLLM2, batch, seq_len, device, int(gib * GIB))
+    assert p.needed <= memory.MARGIN * gib * GIB
+    return p.micro_batch, p.checkpointing
+
+
+def test_the_plan_chooses_what_fits_smollm2_under_8_and_16_gib() -> None:
+    # a GPU: 16 GiB takes the whole batch; 8 GiB the largest micro-batch that fits (2 x 4: 2048 tokens each)
+    assert _chosen("cuda", 16) == (8, False)
+    assert _chosen("cuda", 8) == (4, False)
+    # below that, micro-batches of 1 or 2 sequences would fit but leave the GPU idle: checkpointing instead
+    assert _chosen("cuda", 6) == (8, True)
+    assert _chosen("cuda", 5) == (4, True)
+    # the CPU holds the outer state and the snapshots too (one memory): 16 GiB takes 2 micro-batches of 4 ...
+    assert _chosen("cpu", 24) == (8, False)
+    assert _chosen("cpu", 16) == (4, False)
+    # ... and, where not even one sequence fits without it, checkpointing (micro-batches before it on a CPU)
+    assert _chosen("cpu", 9.5, 4, 128) == (2, True)
+    assert _chosen("cpu", 9.75, 4, 128) == (1, False)
+    line = memory.choose(SMOLLM2, 8, 512, "cpu", 16 * GIB).describe(16 * GIB)
+    assert "\n" not in line and line.startswith("memory plan on cpu: ") and "13.50 GiB of 16.00 GiB (one memory)" in line
+    assert ("; chose 2 micro-batches of 4 (the same mean gradient): the run's batch of 8 at once needs 19.13 GiB, "
+            "over the 13.60 GiB (85%) a plan may use; --micro-batch and --activation-checkpointing choose "
+            "otherwise") in line, line
+    ckpt = memory.choose(SMOLLM2, 8, 512, "cuda", 5 * GIB).describe(5 * GIB)
+    assert "chose activation checkpointing (about a third more compute) and 2 micro-batches of 4" in ckpt, ckpt
+    assert "without it only micro-batches of 2 fit (1024 tokens: too few to keep a GPU busy)" in ckpt, ckpt
+    whole = memory.choose(SMOLLM2, 8, 512, "cuda", 16 * GIB)  # nothing to choose: nothing said about it
+    assert whole.why == "" and "chose" not in whole.describe(16 * GIB)
+
+
+def test_when_nothing_fits_the_refusal_says_what_would() -> None:
+    # 8 GiB of CPU: the parameters, AdamW, outer state and snapshots alone are 7.87 GiB, over 85% of it
+    with pytest.raises(ConfigError) as e:
+        memory.choose(SMOLLM2, 8, 512, "cpu", 8 * GIB)
+    assert str(e.value) == (
+        "this model will not fit cpu: even with activation checkpointing and micro-batches of 1 it needs about "
+        "8.13 GiB (parameters, gradients, AdamW, outer state and snapshots: 7.87 GiB) and 85% of the device is "
+        "6.80 GiB; use a device with more memory or join a run of a smaller model")
+    with pytest.raises(ConfigError, match=r"^this model will not fit cuda: .* \(parameters, gradients, AdamW: "
+                                          r"2\.62 GiB\) .*join a run of a smaller model$"):
+        memory.choose(SMOLLM2, 8, 512, "cuda", 2 * GIB)
+
+
+def test_the_users_own_micro_batch_or_checkpointing_is_kept_or_refused_with_advice() -> None:
+    # what the user passed is what the plan is, even where the plan would have chosen otherwise
+    assert _plan(micro_batch=2) == (2, False) and _plan(checkpointing=True) == (8, True)
+    assert _plan(micro_batch=4, checkpointing=True) == (4, True)
+    with pytest.raises(ConfigError) as e:  # the whole batch, asked for, on 16 GiB of CPU: refused, not replaced
+        memory.choose(SMOLLM2, 8, 512, "cpu", 16 * GIB, micro_batch=8)
+    line = str(e.value)
+    assert line.startswith("this model will not fit cpu with --micro-batch 8: it needs about 19.13 GiB"), line
+    assert "pass --micro-batch 4 (gradient accumulation" in line and "or --activation-checkpointing (" in line, line
+    assert line.endswith("; or drop --micro-batch 8 and the plan chooses"), line
+    with pytest.raises(ConfigError, match=r"^this model will not fit cuda with --activation-checkpointing: .*pass "
+                                          r"--micro-batch 2 .*; or drop --activation-checkpointing and the plan chooses$"):
+        memory.choose(SMOLLM2, 8, 512, "cuda", 4 * GIB, checkpointing=True)
+
+
+def _plan(micro_batch: int = 0, checkpointing: bool = False) -> tuple[int, bool]:
+    p = memory.choose(SMOLLM2, 8, 512, "cuda", 16 * GIB, micro_batch, checkpointing)
+    return p.micro_batch, p.checkpointing
+
+
+def test_the_peer_trains_with_the_plan_it_chose() -> None:
+    """peer/app.py ``fits``: the plan said in one line is the one returned (and given to the learner)."""
+    medium = RunSpec.from_preset("mp", "medium")  # batch 32 x 512; 1.16 GiB before activations
+    said: list[str] = []
+    p = fits(medium, PeerOptions(device="cpu", memory_limit_gib=2.0), said.append)
+    assert (p.micro_batch, p.checkpointing) == (1, False) and said == [p.describe(2 * GIB)] and "; chose 32 " in said[0]
+    with pytest.raises(ConfigError, match="will not fit cpu with --activation-checkpointing: "):
+        fits(medium, PeerOptions(device="cpu", memory_limit_gib=2.0, checkpointing=True), said.append)
+    assert len(said) == 1  # a refusal says nothing else
