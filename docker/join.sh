@@ -1,5 +1,6 @@
 #!/bin/sh
-# Joins the run whose owner wrote /shared/owner.json (docker/compose.yaml); extra arguments go to `peer start`.
+# Joins the run whose owner wrote /shared/owner.json (docker/compose.yaml) with its join string;
+# extra arguments go to `peer start`.
 set -eu
 info=/shared/owner.json
 i=0
@@ -8,6 +9,5 @@ until [ -s "$info" ]; do
     if [ "$i" -gt 300 ]; then echo "error: the owner wrote no $info within 300 s" >&2; exit 1; fi
     sleep 1
 done
-key=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["run_key"])' "$info")
-maddr=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["maddrs"][0])' "$info")
-exec peer start --run "$key" --initial-peers "$maddr" "$@"
+join=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["join"])' "$info")
+exec peer start --join "$join" "$@"
