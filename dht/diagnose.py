@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from multiaddr import Multiaddr
 
-from hivetrain.dht.errors import ListenError
+from hivetrain.dht.errors import AddressError, ListenError
 
 
 def tcp_endpoint(maddr: Multiaddr | str) -> tuple[str, str, int] | None:
@@ -50,7 +50,7 @@ def check_ports(host_maddrs: Sequence[str]) -> None:
         if where is not None and where[2] != 0 and not port_free(*where):
             proto, ip, port = where
             raise ListenError(f"port {port} on {ip} is already in use (another peer?): stop it, or listen "
-                              f"elsewhere with --host-maddrs /{proto}/{ip}/tcp/<free port>")
+                              f"elsewhere with --port <free port> (or --host-maddrs /{proto}/{ip}/tcp/<port>)")
 
 
 def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
@@ -78,3 +78,28 @@ def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
                            "there: the peer id is wrong (that peer restarted with a new identity?), or it is not "
                            "a hivetrain/hivemind peer")
     return "; ".join(reasons) if reasons else "no initial peer could be reached"
+
+
+EXAMPLE_PEER = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."  # shown in errors: the form of a peer's address
+EXAMPLE_HOST = "/ip4/0.0.0.0/tcp/31337"  # ... and of an address to listen on or announce
+
+
+def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[Multiaddr]:
+    """Validates multiaddrs given by a user; raises BootstrapError with a one-line explanation."""
+    out = []
+    example = EXAMPLE_PEER if need_peer_id else EXAMPLE_HOST
+    for value in values:
+        try:
+            maddr = Multiaddr(value)
+        except Exception as e:
+            raise AddressError(f"{what} {value!r} is not a valid multiaddr ({e}); the form is {example}") from None
+        protocols = {p.name for p in maddr.protocols()}
+        if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"} or "tcp" not in protocols:
+            raise AddressError(f"{what} {value!r} must name an IP (or DNS) address and a TCP port, e.g. {example}")
+        if need_peer_id and "p2p" not in protocols:
+            raise AddressError(
+                f"{what} {value!r} has no /p2p/<peer id> part; copy the full address a running peer prints, "
+                f"e.g. {example}"
+            )
+        out.append(maddr)
+    return out

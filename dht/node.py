@@ -17,15 +17,13 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from multiaddr import Multiaddr
-
 from . import clock, hardening, store_guard
-from .diagnose import diagnose
-from .errors import AddressError, BootstrapError, DHTError, DHTTimeout, InvalidRecord
+from .diagnose import diagnose, parse_maddrs
+from .errors import BootstrapError, DHTError, DHTTimeout, InvalidRecord
 from .identity import Identity, public_key_of
 from .process import children_die_with_us, remove_stale_sockets
 from .quota import QuotaConfig
@@ -37,31 +35,6 @@ REFRESH_PERIOD = 15.0  # seconds between attempts to re-contact peers that fell 
 MAX_KNOWN = 256
 REAP_GRACE = 2.0  # seconds a daemon whose start failed gets to exit by itself before it is signalled (_reap)
 logger = logging.getLogger(__name__)
-
-
-EXAMPLE_PEER = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."  # shown in errors: the form of a peer's address
-EXAMPLE_HOST = "/ip4/0.0.0.0/tcp/31337"  # ... and of an address to listen on or announce
-
-
-def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[Multiaddr]:
-    """Validates multiaddrs given by a user; raises BootstrapError with a one-line explanation."""
-    out = []
-    example = EXAMPLE_PEER if need_peer_id else EXAMPLE_HOST
-    for value in values:
-        try:
-            maddr = Multiaddr(value)
-        except Exception as e:
-            raise AddressError(f"{what} {value!r} is not a valid multiaddr ({e}); the form is {example}") from None
-        protocols = {p.name for p in maddr.protocols()}
-        if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"} or "tcp" not in protocols:
-            raise AddressError(f"{what} {value!r} must name an IP (or DNS) address and a TCP port, e.g. {example}")
-        if need_peer_id and "p2p" not in protocols:
-            raise AddressError(
-                f"{what} {value!r} has no /p2p/<peer id> part; copy the full address a running peer prints, "
-                f"e.g. {example}"
-            )
-        out.append(maddr)
-    return out
 
 
 @dataclass(frozen=True)

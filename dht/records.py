@@ -215,6 +215,19 @@ def _optional(check: Check) -> Check:
 
 
 MAX_ROUND = 10**9
+MAX_ADDRS, MAX_ADDR_LEN = 4, 200  # a heartbeat's ``addrs``: how many, and the characters of each
+_ADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/[0-9A-Za-z.:%_-]+/tcp/[0-9]{1,5}$")
+
+
+def is_address(a: Any) -> bool:
+    """A heartbeat address: /ip4|ip6|dns.../<host>/tcp/<port>, no /p2p part (the reader adds the signer's)."""
+    return isinstance(a, str) and len(a) <= MAX_ADDR_LEN and _ADDR.fullmatch(a) is not None
+
+
+def _is_addresses(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_ADDRS and all(map(is_address, v))
+
+
 REACH_MODES = ("direct", "outbound_only", "unknown")  # a heartbeat's ``reach``
 SCHEMAS: dict[str, dict[str, Check]] = {
     "hb": {
@@ -226,6 +239,9 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "train_loss": _optional(_is_float(0.0, 1e6)),
         "eval_loss": _optional(_is_float(0.0, 1e6)),
         "reach": lambda v: v in REACH_MODES,  # how others reach the peer (peer/reach.py); may be absent
+        "addrs": _is_addresses,  # where to dial it, without /p2p/<id> (peer/join.py); may be absent
+        "tokens": _is_int(0, 10**18),  # tokens it trained since its process started (peer/totals.py); may be absent
+        "rounds": _is_int(0, MAX_ROUND),  # ... and rounds it completed; may be absent
     },
     "ready": {
         "peer_id": _is_peer_id,
@@ -241,7 +257,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {
         "group": lambda v: isinstance(v, list) and len(v) <= 64 and all(_is_peer_id(p) for p in v),
     },
 }
-OPTIONAL = {"hb": frozenset({"reach"}), "ready": frozenset({"closed", "up", "out", "group"})}  # fields a record may leave out
+OPTIONAL = {"hb": frozenset({"reach", "addrs", "tokens", "rounds"}), "ready": frozenset({"closed", "up", "out", "group"})}  # fields a record may leave out
 BOUND_KINDS = ("hb", "ready")  # payloads whose ``peer_id`` must be their signer's libp2p id
 
 

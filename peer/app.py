@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from hivetrain.dht.diagnose import check_ports
 from hivetrain.dht.errors import DHTError
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
-from hivetrain.peer import reach
+from hivetrain.peer import join, reach
 from hivetrain.peer.assembly import Peer, Seams, serve_dialback
 from hivetrain.peer.config import PeerOptions, RunSpec, outer_defaults
 from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind
@@ -32,10 +32,10 @@ from hivetrain.peer.net.libp2p import LibP2PLink
 from hivetrain.peer.runspec import fetch_spec, new_run, republish
 from hivetrain.peer.state import checkpoint
 from hivetrain.peer.status import read_status
+from hivetrain.peer.totals import Totals, TotalsWriter
 from hivetrain.peer.train import hf, memory
 from hivetrain.peer.train.data import Corpus, describe_skipped, load_corpus
 from hivetrain.peer.train.learner import LMLearner
-from hivetrain.peer.train.loop import MetricsWriter
 from hivetrain.peer.trust import LedgerFile
 
 Say = Callable[[str], None]
@@ -78,6 +78,7 @@ class Opened:
     corpus: Corpus
     model: torch.nn.Module | None = None
     tokenizer: Any = None  # a Hugging Face model's, checked against the spec
+    plan: memory.MemoryPlan | None = None  # a Hugging Face model's memory plan (made, and said, on opening)
 
 
 # defaults of a run on a Hugging Face model (the flags override them): continued pretraining. On sotu,
@@ -102,11 +103,13 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
                            pretrained=source.origin if source.origin == hf.SMOLLM2 else "", **settings)
             if not source.has_weights:
                 say("the run starts from freshly initialised weights (the architecture's own initialisation)")
-            say(fits(spec, options))
+            plan = fits(spec, options, say)  # (before the run is published: a refusal publishes nothing)
             corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
         owner = _load_identity(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
         run_key, _ = new_run(dht, owner, spec)
-        return Opened(run_key, spec, corpus, source.model if source else None, source.tokenizer if source else None)
+        if source is None:
+            return Opened(run_key, spec, corpus)
+        return Opened(run_key, spec, corpus, source.model, source.tokenizer, plan)
     assert choice.run_key is not None
     spec, record = fetch_spec(dht, choice.run_key, options.dht_timeout)
     choice.refuse_for_joiner(spec)
@@ -155,10 +158,10 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
     if source.tokenizer_hash != spec.tokenizer:
         raise ConfigError(f"the tokenizer at {source.origin} is not the one run {key} uses ({source.tokenizer_hash[:19]} "
                           f"against {spec.tokenizer[:19]})")
-    say(fits(spec, options))
+    plan = fits(spec, options, say)
     # (whether our weights are the run's start, the trainer finds out from the state they make)
     return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
-                  source.tokenizer)
+                  source.tokenizer, plan)
 
 
 def _load_identity(path: str) -> Identity:
@@ -186,19 +189,29 @@ def _load_data(path: str | None, say: Say) -> Corpus:
     return corpus
 
 
-def fits(spec: RunSpec, options: PeerOptions) -> str:
-    """The memory plan line (peer/train/memory.py); ConfigError, with what would fit, if it does not fit."""
+def fits(spec: RunSpec, options: PeerOptions, say: Say) -> memory.MemoryPlan:
+    """The memory plan to train with (peer/train/memory.py ``choose``: the user's --micro-batch and
+    --activation-checkpointing, else what fits the device), said in one line; ConfigError, in one line
+    with what would fit, when the user's choice or nothing fits."""
     if options.micro_batch and spec.batch_size % options.micro_batch:
         raise ConfigError(f"--micro-batch {options.micro_batch} does not divide the run's batch of {spec.batch_size}")
-    p = memory.plan(spec.model, spec.batch_size, spec.seq_len, options.device, options.micro_batch,
-                    options.checkpointing)
     budget = memory.device_budget(options.device, options.memory_limit_gib)
-    memory.check(p, budget, spec.model)
-    return p.describe(budget)
+    try:
+        p = memory.choose(spec.model, spec.batch_size, spec.seq_len, options.device, budget, options.micro_batch,
+                          options.checkpointing)
+    except ConfigError as e:
+        if options.memory_limit_gib and budget < memory.device_budget(options.device):  # the user's own limit
+            raise ConfigError(f"{e}; or raise --memory-limit (now {options.memory_limit_gib:g} GiB)") from None
+        raise
+    say(p.describe(budget))
+    return p
 
 
-def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | None) -> None:
-    """Tells the user (and, for tests and the demo, an info file) how to join this run."""
+def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | None,
+             bootstrap: Sequence[str] = ()) -> list[str]:
+    """Tells the user (and, for tests and the demo, an info file) how to join this run: its join
+    string (peer/join.py) lists our best addresses and then the peers we came in through
+    (``bootstrap``). Returns our addresses for the heartbeat (``join.own``)."""
     maddrs = dht.visible_maddrs()
     if spec.compression == "int8":
         from hivetrain.kernels.fast_cpu import UNAVAILABLE_REASON
@@ -213,16 +226,18 @@ def announce(dht: DHT, run_key: str, spec: RunSpec, say: Say, info_file: str | N
     say(f"run key: {run_key}")
     for maddr in maddrs:
         say(f"address: {maddr}")
-    say(f"join with: peer start --run {run_key} --initial-peers {reach.best_address(maddrs) or '<this address>'}")
+    listed = list(dict.fromkeys([*join.pick(maddrs, join.OWN_ADDRESSES), *bootstrap]))[:join.LINE_ADDRESSES]
+    say(f"join with: peer start --join {join.line(run_key, listed)}{join.limited(listed)}")
     if info_file:
         tmp = info_file + ".tmp"
         try:  # (the CLI checked that it can write there; this is for a folder gone since)
             with open(tmp, "w") as f:
                 json.dump({"run_key": run_key, "peer_id": dht.peer_id, "maddrs": maddrs,
-                           "spec_hash": spec.spec_hash().hex()}, f)
+                           "join": join.line(run_key, listed), "spec_hash": spec.spec_hash().hex()}, f)
             os.replace(tmp, info_file)
         except OSError as e:
             raise ConfigError(f"--info-file {info_file}: cannot write it ({e.strerror or e})") from None
+    return join.own(maddrs)
 
 
 def auto_device() -> tuple[str, str]:
@@ -249,10 +264,10 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     if choice.new_run is not None and new_run_model(choice, options) is None:
         # a model that cannot fit is refused before anything is published (a Hugging Face model's
         # plan is made, and said, once its config is read)
-        fits(RunSpec.from_preset(choice.new_run, choice.model_preset, **choice.overrides), options)
+        fits(RunSpec.from_preset(choice.new_run, choice.model_preset, **choice.overrides), options, lambda _: None)
     state_lock = checkpoint.lock_dir(options.state_dir)  # noqa: F841 (held until exit)
     # listening before anything is published: a port in use is one line, not a run started for nothing
-    dashboard = Dashboard(parse_bind(options.dashboard, options.dashboard_public), None,
+    dashboard = Dashboard(parse_bind(options.dashboard, options.dashboard_public, options.dashboard_private), None,
                           public=options.dashboard_public) if options.dashboard else None
     # the same peer at the same address after a restart (peer/reach.py), unless asked to be a new one
     if options.ephemeral:
@@ -266,6 +281,7 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
                          timeout=options.dht_timeout)).start()
     if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
         reach.remember(options.state_dir, hosts, dht.visible_maddrs())
+    say(reach.listening(hosts, dht.visible_maddrs()))
     link = LibP2PLink(dht.p2p)
     board: Dashboard | None = None
     peer: Peer | None = None
@@ -274,11 +290,10 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         dht.run(serve_dialback(link, behaviour), timeout=10)
         opened = open_run(dht, options, choice, say)
         run_key, spec, corpus = opened.run_key, opened.spec, opened.corpus
-        if not spec.hf_config:
-            say(fits(spec, options))
-        announce(dht, run_key, spec, say, info_file)
+        plan = opened.plan or fits(spec, options, say)  # (its choice is what the inner steps use)
+        addresses = announce(dht, run_key, spec, say, info_file, options.initial_peers)
         learner = LMLearner(spec, dht.peer_id, corpus, opened.model, options.device, options.eval_batches,
-                            options.micro_batch, options.checkpointing, options.compile)
+                            plan.micro_batch, plan.checkpointing, options.compile)
         ckpt_dir = os.path.join(options.state_dir, "checkpoints")
         os.makedirs(ckpt_dir, exist_ok=True)
         ckpt_path = os.path.join(ckpt_dir, f"{run_key}.ckpt")
@@ -286,17 +301,20 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
         if opened.tokenizer is not None:
             save_tokenizer(ckpt_dir, run_key, opened.tokenizer)
         try:  # (the CLI checked that it can write there; this is for a folder gone since)
-            metrics = MetricsWriter(options.metrics_file)
+            metrics = TotalsWriter(options.metrics_file, Totals.of(dht.peer_id, spec))  # (the dashboard's totals)
         except OSError as e:
             raise ConfigError(f"--metrics-file {options.metrics_file}: cannot write it ({e.strerror or e})") from None
         ledger = LedgerFile(os.path.join(ckpt_dir, f"{run_key}.trust.json"), run_key, say)
         began = checkpoint.BeganFile(os.path.join(ckpt_dir, f"{run_key}.began.json"), say)
         peer = Peer(Seams(dht, link, learner, behaviour, checkpoint.Writer(ckpt_path, say), ledger=ledger,
                           began=began), run_key, spec, metrics, say)
+        if addresses:  # where ``peer status`` finds us for a fresh join string
+            peer.heartbeat.extra["addrs"] = addresses
+        metrics.heartbeat = peer.heartbeat.extra  # ... and our totals (peer/totals.py)
         if dashboard is not None:
             board = dashboard
             board.watcher = RunWatcher(lambda: read_status(dht, run_key, spec), warn=say)
-            board.rounds = metrics.recent
+            board.rounds, board.totals = metrics.recent, metrics.totals
             say(f"dashboard at {board.start().url}")
         if progress is not None:
             peer.trainer.progress = progress

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from hivetrain.dht.facade import DHTFacade
 from hivetrain.kernels.error_feedback import ErrorFeedback
+from hivetrain.peer import join
 from hivetrain.peer.averaging.averager import P2PAverager
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.averaging.context import PeerContext
@@ -111,6 +112,12 @@ class Peer:
         """How others reach us changed: it takes effect at the next round's matchmaking."""
         self.averager.ctx.closed = verdict.mode == dialback.OUTBOUND_ONLY
         self.heartbeat.extra["reach"] = verdict.mode
+        public = join.learnt(verdict, self.heartbeat.extra.get("addrs", []))
+        if public is not None:  # the address the peers that dialed us see: the one to give out
+            self.heartbeat.extra["addrs"] = join.own([public, *self.heartbeat.extra.get("addrs", [])])
+            hb = self.heartbeat
+            self.say(f"public address {public}, as the peers that dialed us see it; join with: peer start --join "
+                     f"{join.line(hb.run_key, [f'{public}/p2p/{hb.identity.peer_id}'])}")
 
     def run(self, saved: Snapshot | None, max_rounds: int, until_round: int = 0, wait_for_peers: int = 0,
             wait_timeout: float = 120.0) -> dict[str, Any]:

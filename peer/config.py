@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ RUN_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
 COMPRESSIONS = ("int8", "fp32", "sparse")
 OVERLAPS = ("none", "delayed", "eager")
 SCHEDULES = ("constant", "cosine")
+AGGREGATIONS = ("robust", "mean")
 SPEC_VERSION = 12  # 12: robust aggregation across groups and within pairs (averaging protocol 12); 11: ready buckets the same every round (a hash of the peer id), the two-tier cross stage (averaging protocol 11); 10: heartbeats in buckets when expected_peers > 64 (peer/state/heartbeats.py); 9: expected_peers (round 0's ready buckets); 8: cross_groups (one state per round across groups), protocol v5 (uplink claims); 7: compression "sparse" (sparse_k), outer_nesterov; 6: inner learning-rate schedule (inner_warmup, inner_schedule, inner_total_steps); 5: Hugging Face models (hf_config, init_hash, tokenizer, pretrained); 4: piece_values (pipelined all-reduce); 3: overlap, eval_every, ready records with an ETA; 2: min_round_s, lineage, protocol v3
 
 
@@ -48,6 +50,42 @@ def _check_range(owner: str, name: str, value: float, lo: float, hi: float) -> N
 def _check_int(owner: str, name: str, value: int, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not (lo <= value <= hi):
         raise ConfigError(f"{owner}.{name} must be an integer in [{lo}, {hi}], got {_short(value)}")
+
+
+def knob(default: Any, text: str | None = None, *, lo: float | None = None, hi: float | str | None = None,
+         choices: tuple[str, ...] | None = None, shown: str | None = None) -> Any:
+    """A run-spec field declared once: its default, its range [lo, hi] (``hi`` may name another field,
+    e.g. "target_group_size") or its ``choices``, and, for a field a flag of ``peer start`` sets, the
+    flag's help ``text`` (peer/cli.py adds "(default ``shown``)", the default itself unless given)."""
+    meta = {"help": text, "lo": lo, "hi": hi, "choices": choices, "shown": shown}
+    return field(default=default, metadata={k: v for k, v in meta.items() if v is not None})
+
+
+def flag_knobs() -> list[dataclasses.Field[Any]]:
+    """The run-spec fields that flags of ``peer start --new-run`` set, in declaration order."""
+    return [f for f in dataclasses.fields(RunSpec) if "help" in f.metadata]
+
+
+def knob_default(f: dataclasses.Field[Any]) -> str:
+    """What a flag's help says its default is."""
+    if "shown" in f.metadata:
+        return str(f.metadata["shown"])
+    return ("on" if f.default else "off") if f.type == "bool" else str(f.default)
+
+
+def _check_knob(spec: Any, f: dataclasses.Field[Any]) -> None:
+    value, meta = getattr(spec, f.name), f.metadata
+    if f.type == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"spec.{f.name} must be true or false, got {_short(value)}")
+    elif "choices" in meta:
+        if not isinstance(value, str) or value not in meta["choices"]:
+            raise ConfigError(f"spec.{f.name} must be one of {', '.join(meta['choices'])}, got {_short(value)}")
+    else:
+        hi = meta["hi"]
+        if isinstance(hi, str):
+            hi = operator.attrgetter(hi)(spec)
+        (_check_int if f.type == "int" else _check_range)("spec", f.name, value, meta["lo"], hi)
 
 
 @dataclass(frozen=True)
@@ -168,50 +206,71 @@ class RunSpec:
     name: str
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: str = "sotu"  # "sotu" or "files:<sha256 of the corpus>"
-    seq_len: int = 128
-    batch_size: int = 16
-    inner_lr: float = 2e-3
+    # the knobs (``knob``): each declared once, with its range and, if a flag sets it, its help; peer/cli.py
+    # makes the flags from these, and __post_init__ checks the ranges
+    seq_len: int = knob(128, "tokens per sequence", lo=8, hi="model.max_seq_len", shown="the preset's")
+    batch_size: int = knob(16, "sequences per inner step and peer", lo=1, hi=4096, shown="the preset's")
+    inner_lr: float = knob(2e-3, "AdamW learning rate of the inner steps", lo=1e-7, hi=1.0, shown="the preset's")
     # the inner learning rate at the run's inner step s (round * sync_every + i; peer/train/schedule.py):
     # linear warmup over ``inner_warmup`` steps, then constant or cosine down to a tenth of ``inner_lr``
     # at ``inner_total_steps`` (cosine needs it: an open-ended run has no end to decay to)
-    inner_warmup: int = 0
-    inner_schedule: str = "constant"
-    inner_total_steps: int = 0
-    inner_weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    sync_every: int = 20  # H: inner steps per round
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True  # Nesterov momentum (DiLoCo's); false: heavy-ball
-    compression: str = "int8"
-    chunk_size: int = 65536  # int8's values per scale and offset
-    sparse_k: int = 64  # sparse: values kept of every 4096 (kernels/sparse.py)
-    target_group_size: int = 8
-    min_group_size: int = 1
-    # seconds a ready peer waits, at most, for peers that announced this round and are still computing
-    # (the grace a straggler gets); a peer nobody waits for closes its window at once
-    matchmaking_timeout: float = 5.0
-    allreduce_timeout: float = 60.0  # seconds: the deadline of one all-reduce
-    # values per piece of the all-reduce: each member's shard is cut into pieces of about this size that
-    # are sent, reduced, audited and returned one after another, so the reduce hides behind the transfer
-    piece_values: int = 1 << 21
-    init_seed: int = 0
-    aggregation: str = "robust"  # "robust" (norm clip + CenteredClip, for public runs) or "mean"
-    error_feedback: bool = False  # send this round's int8 quantization residual with the next round's part (sparse: always)
-    max_per_prefix: int = 2  # Sybil brake: members per IPv4 /24 or IPv6 /48 in one group (0: no cap)
-    audit: bool = True  # every shard recomputed by a second member; a wrong aggregate is void (+50% part bytes)
-    # one state per round for the whole run: groups' results are averaged across groups, sub-piece by
-    # sub-piece, by designees derived from the ready board (peer/averaging/cross.py); false: each group
-    # applies its own result (several groups fork, fork choice keeps the heaviest)
-    cross_groups: bool = True
-    # peers the run expects in its first round (0: a few): round 0's ready records are spread over buckets
-    # for that many (peer/averaging/ready.py); later rounds follow their base state's population
-    expected_peers: int = 0
-    min_round_s: float = 0.2  # seconds: no round is faster; bounds the round a heartbeat may claim (fork choice)
-    overlap: str = "none"  # "none": synchronous rounds; "delayed" / "eager": round r's all-reduce runs during
-    # round r+1's inner steps and is applied one round late; eager starts those inner steps from the outer
-    # step our own delta would give (peer/train/loop.py)
-    eval_every: int = 10  # rounds between held-out evaluations (also the first, the last and after a sync)
+    inner_warmup: int = knob(0, "inner steps of linear learning-rate warmup, counted in the run", lo=0, hi=10**9,
+                             shown="the preset's; 0: none")
+    inner_schedule: str = knob("constant", "inner learning rate after warmup: constant, or cosine down to a tenth "
+                               "at --inner-total-steps", choices=SCHEDULES)
+    inner_total_steps: int = knob(0, "the run's inner step where a cosine schedule ends: rounds x H", lo=0, hi=10**12,
+                                  shown="0: none")
+    inner_weight_decay: float = knob(0.1, lo=0.0, hi=1.0)
+    grad_clip: float = knob(1.0, lo=0.0, hi=1e6)
+    sync_every: int = knob(20, "H: inner steps per round", lo=1, hi=100_000, shown="the preset's")
+    outer_lr: float = knob(0.7, "learning rate of the outer Nesterov step", lo=0.0, hi=10.0,
+                           shown="0.7; 2.0 with --compression sparse")
+    outer_momentum: float = knob(0.9, "momentum of the outer Nesterov step", lo=0.0, hi=0.999,
+                                 shown="the preset's, 0.5 for tiny, else 0.9; 0 with --compression sparse")
+    outer_nesterov: bool = knob(True, "Nesterov momentum in the outer step (DiLoCo's; --no-outer-nesterov: heavy-ball)")
+    compression: str = knob("int8", "how pseudo-gradients travel: int8 (4x fewer bytes than fp32), fp32, or sparse "
+                            "(the largest --sparse-k of every 4096 values as int8, the rest carried to later rounds)",
+                            choices=COMPRESSIONS)
+    chunk_size: int = knob(65536, lo=256, hi=1 << 24)  # int8's values per scale and offset
+    sparse_k: int = knob(64, "with --compression sparse: values sent of every 4096 (kernels/sparse.py)", lo=1, hi=1024,
+                         shown="64: 1.6 %, a part of 196 bytes per 4096 values against int8's 4,104")
+    target_group_size: int = knob(8, "peers per averaging group at most; a group forms sooner once this many are "
+                                  "ready", lo=1, hi=64)
+    min_group_size: int = knob(1, "a smaller group voids its round", lo=1, hi="target_group_size",
+                               shown="1: a peer alone still trains")
+    # (the grace a straggler gets; a peer nobody waits for closes its window at once)
+    matchmaking_timeout: float = knob(5.0, "seconds a ready peer waits at most for announced peers still computing",
+                                      lo=0.5, hi=600.0)
+    allreduce_timeout: float = knob(60.0, "seconds: the deadline of one all-reduce; past it the round is void",
+                                    lo=1.0, hi=3600.0)
+    # each member's shard is cut into pieces of about this size that are sent, reduced, audited and returned
+    # one after another, so the reduce hides behind the transfer
+    piece_values: int = knob(1 << 21, "values per piece of the pipelined all-reduce", lo=1024, hi=1 << 30)
+    init_seed: int = knob(0, lo=0, hi=2**31 - 1)
+    aggregation: str = knob("robust", "how reducers combine contributions: robust (norm clip and CenteredClip, for "
+                            "public runs) or mean", choices=AGGREGATIONS)
+    error_feedback: bool = knob(False, "carry each round's int8 quantization residual into the next round (sparse: "
+                                "always)")
+    max_per_prefix: int = knob(2, "Sybil brake: at most N members per IPv4 /24 or IPv6 /48 in a group", lo=0, hi=64,
+                               shown="2; 0: off")
+    audit: bool = knob(True, "have a second member recompute every shard; a wrong aggregate is void (off saves a "
+                       "third of the bytes)")
+    # groups' results are averaged across groups sub-piece by sub-piece, by designees derived from the ready
+    # board (peer/averaging/cross.py)
+    cross_groups: bool = knob(True, "average the groups' results across groups, so every peer of a round ends on one "
+                              "state (off: each group applies its own and fork choice keeps the heaviest)")
+    # round 0's ready records are spread over buckets for that many (peer/averaging/ready.py); later rounds
+    # follow their base state's population
+    expected_peers: int = knob(0, "peers you expect in the run's first round: above 8x the target group size, their "
+                               "ready records are spread over several DHT keys from round 0 on", lo=0, hi=1 << 20,
+                               shown="0: a few; later rounds size this by themselves")
+    # no round is faster; bounds the round a heartbeat may claim (fork choice)
+    min_round_s: float = knob(0.2, lo=0.01, hi=3600.0)
+    overlap: str = knob("none", "delayed / eager: each round's all-reduce runs during the next round's inner steps "
+                        "and is applied one round late; eager starts them from our own outer step "
+                        "(peer/train/loop.py)", choices=OVERLAPS, shown="none: synchronous")
+    eval_every: int = knob(10, "rounds between held-out evaluations (also the first, the last and after a sync)",
+                           lo=1, hi=1_000_000)
     # a Hugging Face model (peer/train/hf.py): its architecture (canonical JSON; ``model`` is then its
     # sizes), the hash of the round-0 state (its initial weights), its tokenizer's hash, and the packaged
     # pretrained start it came from ("" for a model folder); all empty for the built-in model
@@ -245,47 +304,12 @@ class RunSpec:
             raise ConfigError("spec.model must be a ModelConfig")
         if not (self.dataset == "sotu" or (isinstance(self.dataset, str) and re.fullmatch(r"files:[0-9a-f]{64}", self.dataset))):
             raise ConfigError(f"spec.dataset must be 'sotu' or 'files:<sha256>', got {_short(self.dataset)}")
-        _check_int("spec", "seq_len", self.seq_len, 8, self.model.max_seq_len)
-        _check_int("spec", "batch_size", self.batch_size, 1, 4096)
-        _check_range("spec", "inner_lr", self.inner_lr, 1e-7, 1.0)
-        _check_int("spec", "inner_warmup", self.inner_warmup, 0, 10**9)
-        if self.inner_schedule not in SCHEDULES:
-            raise ConfigError(f"spec.inner_schedule must be one of {SCHEDULES}, got {_short(self.inner_schedule)}")
-        _check_int("spec", "inner_total_steps", self.inner_total_steps, 0, 10**12)
+        for f in dataclasses.fields(self):
+            if f.metadata:
+                _check_knob(self, f)
         if self.inner_schedule == "cosine" and self.inner_total_steps <= self.inner_warmup:
             raise ConfigError(f"spec.inner_schedule 'cosine' needs inner_total_steps above inner_warmup "
                               f"({self.inner_warmup}), got {self.inner_total_steps}: the step it decays to")
-        _check_range("spec", "inner_weight_decay", self.inner_weight_decay, 0.0, 1.0)
-        _check_range("spec", "grad_clip", self.grad_clip, 0.0, 1e6)
-        _check_int("spec", "sync_every", self.sync_every, 1, 100_000)
-        _check_range("spec", "outer_lr", self.outer_lr, 0.0, 10.0)
-        _check_range("spec", "outer_momentum", self.outer_momentum, 0.0, 0.999)
-        if not isinstance(self.outer_nesterov, bool):
-            raise ConfigError("spec.outer_nesterov must be true or false")
-        if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"spec.compression must be one of {COMPRESSIONS}, got {_short(self.compression)}")
-        _check_int("spec", "chunk_size", self.chunk_size, 256, 1 << 24)
-        _check_int("spec", "sparse_k", self.sparse_k, 1, 1024)
-        _check_int("spec", "target_group_size", self.target_group_size, 1, 64)
-        _check_int("spec", "min_group_size", self.min_group_size, 1, self.target_group_size)
-        _check_range("spec", "matchmaking_timeout", self.matchmaking_timeout, 0.5, 600.0)
-        _check_range("spec", "allreduce_timeout", self.allreduce_timeout, 1.0, 3600.0)
-        _check_int("spec", "piece_values", self.piece_values, 1024, 1 << 30)
-        _check_int("spec", "init_seed", self.init_seed, 0, 2**31 - 1)
-        if not isinstance(self.error_feedback, bool):
-            raise ConfigError("spec.error_feedback must be true or false")
-        _check_int("spec", "max_per_prefix", self.max_per_prefix, 0, 64)
-        if not isinstance(self.audit, bool):
-            raise ConfigError("spec.audit must be true or false")
-        if not isinstance(self.cross_groups, bool):
-            raise ConfigError("spec.cross_groups must be true or false")
-        _check_int("spec", "expected_peers", self.expected_peers, 0, 1 << 20)
-        _check_range("spec", "min_round_s", self.min_round_s, 0.01, 3600.0)
-        if self.aggregation not in ("robust", "mean"):
-            raise ConfigError(f"spec.aggregation must be 'robust' or 'mean', got {_short(self.aggregation)}")
-        if self.overlap not in OVERLAPS:
-            raise ConfigError(f"spec.overlap must be one of {OVERLAPS}, got {_short(self.overlap)}")
-        _check_int("spec", "eval_every", self.eval_every, 1, 1_000_000)
         if self.hf_config:
             if self.model != hf_summary(self.hf_config):
                 raise ConfigError("spec.model does not match the sizes of spec.hf_config")
@@ -371,6 +395,7 @@ class PeerOptions:
     compile: bool = False  # torch.compile the inner steps' model
     dashboard: str | None = None  # HOST:PORT of the dashboard (peer/dashboard.py); None: no dashboard
     dashboard_public: bool = False  # a non-loopback dashboard address is allowed (public run data only)
+    dashboard_private: bool = False  # ... or allowed with our own data, to requests naming a loopback host
 
     def __post_init__(self) -> None:
         _check_int("peer", "threads", self.threads, 0, 1024)

@@ -22,11 +22,11 @@ from typing import Any
 from hivetrain.peer.errors import ConfigError, PeerError
 
 
-def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, str] | None) -> list[str]:
+def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "hivetrain.peer.cli", "start", "--quiet", "--threads", "1",
            "--until-round", str(args.rounds), "--metrics-file", os.path.join(workdir, f"peer{i}.jsonl"),
            "--state-dir", os.path.join(workdir, f"state{i}"), "--wait-for-peers", str(args.peers),
-           "--eval-batches", str(args.eval_batches)]
+           "--eval-batches", str(args.eval_batches), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     if join is None:
         cmd += ["--new-run", "demo", "--preset", args.preset,
                 "--target-group-size", str(getattr(args, "target_group_size", None) or args.peers),
@@ -38,7 +38,7 @@ def _peer_cmd(i: int, workdir: str, args: argparse.Namespace, join: tuple[str, s
             if value is not None:
                 cmd += [flag, str(value)]
     else:
-        cmd += ["--run", join[0], "--initial-peers", join[1]]
+        cmd += ["--join", join]
     return cmd
 
 
@@ -148,9 +148,9 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         swarm.spawn(0, _peer_cmd(0, workdir, args, None))
         info = _wait_info(swarm, os.path.join(workdir, "peer0.json"), deadline)
-        say(f"run key {info['run_key']}, bootstrap {info['maddrs'][0]}")
+        say(f"run key {info['run_key']}; the others join with {info['join']}")
         for i in range(1, args.peers):
-            swarm.spawn(i, _peer_cmd(i, workdir, args, (info["run_key"], info["maddrs"][0])))
+            swarm.spawn(i, _peer_cmd(i, workdir, args, info["join"]))
         shown: set[tuple[int, int]] = set()
         while any(p.poll() is None for p in swarm.procs):
             if time.monotonic() > deadline:

@@ -10,12 +10,12 @@ import os
 import re
 from typing import Any
 
+from hivetrain.peer.config import flag_knobs
 from hivetrain.peer.errors import ConfigError
 
-SPEC_FLAGS = ("sync_every", "inner_lr", "inner_warmup", "inner_schedule", "inner_total_steps", "outer_lr",
-              "outer_momentum", "outer_nesterov", "compression", "sparse_k", "target_group_size",
-              "min_group_size", "matchmaking_timeout", "allreduce_timeout", "batch_size", "seq_len", "aggregation",
-              "error_feedback", "audit", "cross_groups", "expected_peers", "max_per_prefix", "overlap", "eval_every", "piece_values")
+DEFAULT_PORT = 31337  # where ``peer start`` listens, on all interfaces, unless told otherwise
+
+SPEC_FLAGS = tuple(f.name for f in flag_knobs())  # the run-spec fields flags set (peer/config.py ``knob``)
 
 
 # the flag of each config field a flag sets, by the name a ConfigError gives the field (peer/config.py)
@@ -86,19 +86,46 @@ def run_key(text: str) -> str:
     return key
 
 
+def joined(args: argparse.Namespace) -> None:
+    """``--join``'s run key and addresses in ``args.run`` and (first) ``args.initial_peers``; the
+    key of ``--run`` lower case. One line for a malformed string or key."""
+    from hivetrain.peer import join
+
+    if getattr(args, "join", None):
+        args.run, addresses = join.parse(args.join)
+        args.initial_peers = [*addresses, *getattr(args, "initial_peers", [])]
+    elif args.run is not None:
+        args.run = run_key(args.run)
+
+
+def listen_on(args: argparse.Namespace) -> list[str]:
+    """Where ``peer start`` listens: ``--host-maddrs``, or all interfaces at ``--port`` (default
+    DEFAULT_PORT; an --ephemeral peer: any free port)."""
+    if args.host_maddrs is not None:
+        if args.port is not None:
+            raise ConfigError("--port and --host-maddrs: pass one (--host-maddrs names its own ports)")
+        if not args.host_maddrs:
+            raise ConfigError(f"--host-maddrs needs an address, e.g. /ip4/0.0.0.0/tcp/{DEFAULT_PORT}")
+        return list(args.host_maddrs)
+    port = args.port if args.port is not None else 0 if args.ephemeral else DEFAULT_PORT
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be a TCP port, 0 to 65535, got {port}")
+    return [f"/ip4/0.0.0.0/tcp/{port}"]
+
+
 def check_start(args: argparse.Namespace) -> None:
     """What can be refused before anything starts (torch, the p2p daemon, the DHT), each in one line."""
     from hivetrain.peer.config import PeerOptions
 
-    if args.run is not None:
-        args.run = run_key(args.run)
-        if not args.initial_peers:
-            raise ConfigError("joining a run needs --initial-peers MADDR: the address a peer of the run printed "
-                              "(its 'join with:' line), e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
+    joined(args)
+    if args.run is not None and not args.initial_peers:
+        raise ConfigError("joining a run needs its join string (--join hivetrain://...: the 'join with:' line a peer "
+                          "of the run printed), or --initial-peers MADDR, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
+    args.host_maddrs = listen_on(args)
     if args.dashboard:
         from hivetrain.peer.dashboard import parse_bind
 
-        parse_bind(args.dashboard, args.dashboard_public)
+        parse_bind(args.dashboard, args.dashboard_public, args.dashboard_private)
     if not args.wait_timeout > 0:
         raise ConfigError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
     try:  # the ranges of this peer's own flags (PeerOptions checks them again when cmd_start builds it)
@@ -136,7 +163,10 @@ def check_status(args: argparse.Namespace) -> None:
     """``peer status``'s flags, before torch and hivemind are imported."""
     from hivetrain.peer.config import PeerOptions
 
-    args.run = run_key(args.run)
+    joined(args)
+    if not args.initial_peers:
+        raise ConfigError("peer status needs the run's join string (--join hivetrain://...), or --initial-peers "
+                          "MADDR: the address of any peer of the run, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
     if args.count < 0:
         raise ConfigError(f"--count must be 0 or more, got {args.count}")
     if not args.interval > 0:
@@ -145,3 +175,8 @@ def check_status(args: argparse.Namespace) -> None:
         PeerOptions(dht_timeout=args.dht_timeout)
     except ConfigError as e:
         raise in_flags(e) from None
+
+
+def check_export(args: argparse.Namespace) -> None:
+    """``peer export``'s run key (from ``--run`` or ``--join``), lower case, or one line."""
+    joined(args)

@@ -100,20 +100,21 @@ def _load(state_dir: str) -> dict[str, int]:
         return {}
 
 
-def best_address(maddrs: Sequence[str]) -> str | None:
-    """The address to put in a join line: a public one first, then a private (LAN) one, loopback
-    last (only a peer on this machine can use it); the daemon's order within each kind."""
-    def rank(maddr: str) -> int:
-        where = tcp_endpoint(maddr)
-        if where is None:
-            return 1  # a DNS name: as good as a private address, we cannot tell
-        try:
-            ip = ipaddress.ip_address(where[1])
-        except ValueError:
-            return 1
-        return 2 if ip.is_loopback else 0 if ip.is_global else 1
-
-    return min(maddrs, key=rank) if maddrs else None
+def listening(hosts: Sequence[str], visible: Sequence[str]) -> str:
+    """The line ``peer start`` says about where it listens: all interfaces or which address, and the
+    TCP port (a port-0 host's from the daemon's ``visible`` addresses)."""
+    ports = sorted({w[2] for w in map(tcp_endpoint, visible) if w is not None and w[2]})
+    where = []
+    for proto, ip, port in (w for w in map(tcp_endpoint, hosts) if w is not None):
+        shown = port or (ports[0] if ports else 0)
+        if ip in ("0.0.0.0", "::"):
+            where.append(f"all {'IPv6 ' if proto == 'ip6' else ''}interfaces, TCP port {shown}")
+        else:
+            where.append(f"{ip} only, TCP port {shown}" + (" (only this machine can reach it)"
+                                                           if ipaddress.ip_address(ip).is_loopback else ""))
+    default = any(w and w[1] in ("0.0.0.0", "::") for w in map(tcp_endpoint, hosts))
+    hint = "--port chooses another" if default else "--port N listens on all interfaces"
+    return f"listening on {'; '.join(where) or ', '.join(hosts)} ({hint})"
 
 
 def describe(verdict: Verdict) -> str:
@@ -121,7 +122,8 @@ def describe(verdict: Verdict) -> str:
     asked, yes = len(verdict.answers), sum(ok for _, ok in verdict.answers)
     port = verdict.ports[0] if verdict.ports else 0
     if verdict.mode == DIRECT:
-        return f"reachability: reachable directly ({yes} of {asked} peers could dial us at port {port})"
+        at = f", at {verdict.seen}" if verdict.seen else ""
+        return f"reachability: reachable directly ({yes} of {asked} peers could dial us at port {port}{at})"
     if verdict.mode == OUTBOUND_ONLY:
         return (f"reachability: behind NAT: joined as an outbound-only member (none of {asked} peers could dial us "
                 f"at port {port}): we send our parts and receive results over our own connections, and reduce and "

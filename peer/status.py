@@ -28,6 +28,7 @@ from hivetrain.dht.errors import DHTError, InvalidRecord
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.node import DHT, DHTOptions
 from hivetrain.dht.records import MAX_READY_LEVEL, decode_bound, heartbeat_bucket, heartbeat_key, ready_key
+from hivetrain.peer import join
 from hivetrain.peer.averaging.ready import level
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
@@ -50,6 +51,9 @@ class PeerRow:
     last_seen_s: float
     train_loss: float | None
     eval_loss: float | None
+    addrs: tuple[str, ...] = ()  # where to dial it, as it says (without /p2p/<id>: peer/join.py adds it)
+    tokens: int | None = None  # tokens it trained since its process started, as it says (None: not said)
+    rounds_completed: int | None = None  # ... and rounds it completed
 
 
 def read_peers(dht: DHT, run_key: str, spec: RunSpec, now: float | None = None) -> list[PeerRow]:
@@ -69,7 +73,8 @@ def read_peers(dht: DHT, run_key: str, spec: RunSpec, now: float | None = None) 
             continue
         seen = min(ttl, max(0.0, ttl - (envelope.expiration - now)))
         row = PeerRow(hb["peer_id"], hb["round"], hb["state_hash"], hb["throughput"], hb.get("reach", "unknown"),
-                      round(seen, 1), hb["train_loss"], hb["eval_loss"])
+                      round(seen, 1), hb["train_loss"], hb["eval_loss"], tuple(hb.get("addrs", ())),
+                      hb.get("tokens"), hb.get("rounds"))
         if row.peer_id not in rows or row.round > rows[row.peer_id].round:
             rows[row.peer_id] = row
     return sorted(rows.values(), key=lambda r: (-r.round, r.last_seen_s, r.peer_id))
@@ -106,6 +111,7 @@ def summarize(run_key: str, spec: RunSpec, peers: list[PeerRow], matching: dict[
     at_round = Counter(p.state_hash for p in peers if p.round == round_)
     state = min(at_round, key=lambda h: (-at_round[h], h)) if at_round else None
     states = Counter((p.round, p.state_hash) for p in peers)
+    said = sum(p.tokens for p in peers if p.tokens is not None)
     evals = [p.eval_loss for p in peers if p.state_hash == state and p.eval_loss is not None]
     model = f"{spec.model.n_layers} layers x {spec.model.d_model}"
     if spec.hf_config:
@@ -123,7 +129,9 @@ def summarize(run_key: str, spec: RunSpec, peers: list[PeerRow], matching: dict[
         "agreement": at_round[state] / len(peers) if state else 0.0,  # peers holding the run's state, of all
         "states": [{"round": r, "state_hash": h, "peers": n}
                    for (r, h), n in sorted(states.items(), key=lambda kv: (-kv[0][0], -kv[1], kv[0][1]))],
-        "peers": [vars(p) for p in peers],
+        # each peer's tokens since its process started, as its heartbeat says, and its share of those
+        "peers": [{**vars(p), "share": p.tokens / said if said and p.tokens is not None else None} for p in peers],
+        "tokens": said,
         "tokens_per_s": sum(p.tokens_per_s for p in peers if math.isfinite(p.tokens_per_s)),
         "eval_loss": sum(evals) / len(evals) if evals else None,
         "reachability": dict(sorted(Counter(p.reachability for p in peers).items())),
@@ -145,18 +153,31 @@ def render(status: dict[str, Any], trend: list[tuple[int, float]] | None = None)
     lines.append(f"held-out loss {loss}" + (f" (by round: {', '.join(f'{r}: {v:.3f}' for r, v in trend[-8:])})"
                                              if len(trend) > 1 else "") + (f"; reachability: {reach}" if reach else ""))
     lines.append("")
-    lines.append(f"{'peer':<16} {'round':>6} {'state':<12} {'tokens/s':>10} {'train':>7} {'held-out':>8} "
-                 f"{'seen':>6}  reach")
+    lines.append(f"{'peer':<16} {'round':>6} {'state':<12} {'tokens/s':>10} {'tokens':>8} {'train':>7} "
+                 f"{'held-out':>8} {'seen':>6}  reach")
     for p in peers[:MAX_ROWS]:
         mark = "" if p["state_hash"] == status["state_hash"] else " *"
         lines.append(f"{p['peer_id'][-16:]:<16} {p['round']:>6} {p['state_hash'][:12]:<12} {p['tokens_per_s']:>10,.0f} "
-                     f"{_num(p['train_loss'], 7)} {_num(p['eval_loss'], 8)} {p['last_seen_s']:>5.0f}s  "
+                     f"{_count(p.get('tokens')):>8} {_num(p['train_loss'], 7)} {_num(p['eval_loss'], 8)} "
+                     f"{p['last_seen_s']:>5.0f}s  "
                      f"{p['reachability'].replace('_', '-')}{mark}")
     if len(peers) > MAX_ROWS:
         lines.append(f"... and {len(peers) - MAX_ROWS} more (--json lists them all)")
     if any(p["state_hash"] != status["state_hash"] for p in peers):
         lines.append("* another state than the run's: a round behind or ahead, syncing, or on another lineage")
+    if status.get("join"):
+        lines.append(f"join with: peer start --join {status['join']}")
     return "\n".join(lines)
+
+
+def _count(value: int | None) -> str:
+    """A count in a few characters: 950, 12.3k, 4.56M, 7.89G; '-' when not said."""
+    if value is None:
+        return "-"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return str(value)
 
 
 def _num(value: float | None, width: int) -> str:
@@ -223,6 +244,8 @@ def run_status(run_key: str, initial_peers: tuple[str, ...], as_json: bool, inte
 
 def read_status(dht: DHT, run_key: str, spec: RunSpec) -> dict[str, Any]:
     """The run's status from its records in the DHT, as ``summarize`` makes it."""
-    status = summarize(run_key, spec, read_peers(dht, run_key, spec), observer=dht.peer_id)
+    peers = read_peers(dht, run_key, spec)
+    status = summarize(run_key, spec, peers, observer=dht.peer_id)
+    status["join"] = join.fresh(run_key, peers, status["state_hash"])
     status["matching"] = read_matching(dht, run_key, status["round"], len(status["peers"]), spec.target_group_size)
     return status

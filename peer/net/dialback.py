@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,7 +47,7 @@ from hivetrain.peer.net.link import Link, Reply, Server, request
 from hivetrain.peer.net.prefixes import first_prefix
 from hivetrain.peer.net.wire import MAX_DIALBACK_PORTS, Code, reason
 
-PROTOCOL = "hivetrain/dialback/2"  # 2: over the link's framing and caps
+PROTOCOL = "hivetrain/dialback/3"  # 2: over the link's framing and caps; 3: the reply says the IP it dialed
 DIRECT, OUTBOUND_ONLY, UNKNOWN = "direct", "outbound_only", "unknown"  # the heartbeat's ``reach`` values
 REACH_WORDS = {DIRECT: "reachable directly", OUTBOUND_ONLY: "outbound-only (behind NAT)", UNKNOWN: "not known"}
 ASKED = 5  # peers asked per check, one per prefix
@@ -66,6 +66,7 @@ class Verdict:
     answers: tuple[tuple[str, bool], ...]  # (peer asked, whether it could dial us)
     ports: tuple[int, ...]
     asked: int = 0  # peers asked (some may not have answered)
+    seen: str = ""  # the IP more than half of the answers that could dial us dialed (our public IP), or ""
 
 
 def listen_ports(maddrs: Sequence[str]) -> list[int]:
@@ -86,8 +87,8 @@ class Answering(Protocol):
         ...
 
 
-def _reply(checked: bool, ok: bool, why: str) -> Reply:
-    return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": reason(why)}, b""
+def _reply(checked: bool, ok: bool, why: str, seen: str = "") -> Reply:
+    return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": reason(why), "seen": seen}, b""
 
 
 class _Check:
@@ -109,8 +110,9 @@ class _Check:
         opened = [p for p, ok in zip(self.ports, results, strict=True) if ok]
         ok = service.answering.dialback_answer(self.asker, bool(opened))
         if ok:
-            return _reply(True, True, f"connected to {self.host} port {(opened or self.ports)[0]}")
-        return _reply(True, False, f"could not connect to {self.host} at ports {', '.join(map(str, self.ports))}")
+            return _reply(True, True, f"connected to {self.host} port {(opened or self.ports)[0]}", self.host)
+        return _reply(True, False, f"could not connect to {self.host} at ports {', '.join(map(str, self.ports))}",
+                      self.host)
 
     def abort(self) -> None:
         pass
@@ -184,22 +186,24 @@ async def check(link: Link, ports: Sequence[int], peers: Sequence[str] | None = 
     if not ports or not asked:
         return Verdict(UNKNOWN, (), tuple(ports))
 
-    async def ask(peer: str) -> tuple[str, bool | None]:
+    async def ask(peer: str) -> tuple[str, bool | None, str]:
         try:
             reply, _ = await request(link, peer, PROTOCOL, {"type": "dialback", "ports": list(ports)}, b"",
                                      ASK_TIMEOUT)
         except Exception as e:  # an old peer without the protocol, a timeout, a dropped stream: no answer
             logger.debug("dial-back check by %s failed: %r", peer, e)
-            return peer, None
+            return peer, None, ""
         if reply["type"] != "dialback_reply" or not reply["checked"]:
-            return peer, None
-        return peer, bool(reply["ok"])
+            return peer, None, ""
+        return peer, bool(reply["ok"]), reply["seen"]
 
-    answers = [(p, ok) for p, ok in await asyncio.gather(*(ask(p) for p in asked)) if ok is not None]
-    if len({ok for _, ok in answers}) > 1 and len(peers) > len(asked):  # somebody lies: ask every prefix
-        more = await asyncio.gather(*(ask(p) for p in peers[len(asked):]))
-        answers += [(p, ok) for p, ok in more if ok is not None]
+    replies = [r for r in await asyncio.gather(*(ask(p) for p in asked)) if r[1] is not None]
+    if len({ok for _, ok, _ in replies}) > 1 and len(peers) > len(asked):  # somebody lies: ask every prefix
+        replies += [r for r in await asyncio.gather(*(ask(p) for p in peers[len(asked):])) if r[1] is not None]
         asked = peers
+    answers = tuple((p, bool(ok)) for p, ok, _ in replies)
     yes = sum(ok for _, ok in answers)
     mode = UNKNOWN if not answers else DIRECT if 2 * yes > len(answers) else OUTBOUND_ONLY
-    return Verdict(mode, tuple(answers), tuple(ports), len(asked))
+    seen = Counter(ip for _, ok, ip in replies if ok and ip).most_common(1)
+    ip = seen[0][0] if seen and 2 * seen[0][1] > yes else ""  # (one liar among honest answers names nothing)
+    return Verdict(mode, answers, tuple(ports), len(asked), ip if mode == DIRECT else "")

@@ -226,7 +226,9 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "dialback": {"type": lambda v: isinstance(v, str),
                  "ports": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_DIALBACK_PORTS
                  and all(_int(1, 65535)(p) for p in v)},
-    "dialback_reply": {"type": lambda v: isinstance(v, str), "checked": _bool, "ok": _bool, "reason": _text},
+    # ... and the IP the asked peer saw the asker's connection come from (``seen``; "" when it did not check)
+    "dialback_reply": {"type": lambda v: isinstance(v, str), "checked": _bool, "ok": _bool, "reason": _text,
+                       "seen": lambda v: isinstance(v, str) and len(v) <= 45},
 }
 
 

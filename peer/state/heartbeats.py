@@ -10,6 +10,12 @@ A heartbeat is a ``hb`` record (dht/records.py) with the fields
     train_loss  mean training loss of its last round, or None
     eval_loss   held-out loss at this state, or None
     reach       how others reach it: direct, outbound_only or unknown (peer/net/dialback.py); may be absent
+    addrs       where to dial it, its own best addresses without /p2p/<id> (peer/join.py); may be absent
+    tokens      tokens it trained since its process started (peer/totals.py); may be absent
+    rounds      rounds it completed since then; may be absent
+
+A field a reader's schema does not know makes the whole heartbeat invalid to it: the optional fields
+above need every peer of a run on a release that knows them (as the averaging protocol does anyway).
 
 One libp2p identity publishes one heartbeat (the DHT keeps one value per signer), and readers keep
 only heartbeats bound to their signer (``records.decode_bound``), so a heartbeat is one identity's

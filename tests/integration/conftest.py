@@ -24,6 +24,8 @@ class PeerProc:
         cmd = [*(prefix or []), sys.executable, "-m", "hivetrain.peer.cli", "start", "--threads", "1",
                "--metrics-file", str(self.metrics), "--info-file", str(self.info),
                "--state-dir", str(workdir / f"{name}-state"), *args]
+        if not {"--host-maddrs", "--port"} & set(args):  # (see run_cli)
+            cmd += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -94,5 +96,10 @@ def wait_until(cond: Any, peers: list[PeerProc], timeout: float, what: str) -> N
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hivetrain.peer.cli", *args], capture_output=True, text=True,
+    """``peer ARGS``; a ``start`` that names no port listens on loopback at any free one (a peer's
+    default, all interfaces at 31337, would depend on what else this machine runs)."""
+    argv = list(args)
+    if argv[:1] == ["start"] and not {"--port", "--host-maddrs", "--ephemeral"} & set(argv):
+        argv += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    return subprocess.run([sys.executable, "-m", "hivetrain.peer.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, start_new_session=True)

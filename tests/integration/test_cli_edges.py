@@ -19,7 +19,7 @@ def _one_line(result, code: int = 2) -> str:  # type: ignore[no-untyped-def]
 
 def test_joining_without_initial_peers_says_so_at_once(tmp_path: Path) -> None:
     line = _one_line(run_cli("start", "--run", "demo." + "a" * 32, "--state-dir", str(tmp_path)))
-    assert "needs --initial-peers" in line and "/ip4/" in line
+    assert "needs its join string (--join hivetrain://" in line and "or --initial-peers MADDR" in line, line
     assert not (tmp_path / "identity.key").exists()  # refused before anything started
 
 

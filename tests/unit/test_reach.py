@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from multiaddr import Multiaddr
 
-from hivetrain.dht.diagnose import diagnose
+from hivetrain.dht.diagnose import diagnose, tcp_endpoint
 from hivetrain.peer import reach
 from hivetrain.peer.averaging.simulation import LoopThread
 from hivetrain.peer.net import dialback
@@ -81,28 +81,22 @@ def test_diagnose_tells_nothing_listening_from_the_wrong_peer(listener: int) -> 
     assert "peer id is wrong" in someone
 
 
-def test_the_join_line_offers_a_public_address_then_a_lan_one_never_loopback_first() -> None:
-    lo, lan, pub = (f"/ip4/{ip}/tcp/4001/p2p/{PEER}" for ip in ("127.0.0.1", "192.168.1.2", "81.2.69.160"))
-    assert reach.best_address([lo, lan, pub]) == pub
-    assert reach.best_address([lo, lan]) == lan
-    assert reach.best_address([lo]) == lo
-    assert reach.best_address([]) is None
-
-
 class _Scripted:
     """A peer's dial-back service that answers each check with the next scripted reply."""
 
     max_body = 0
 
-    def __init__(self, replies: list[tuple[bool, bool]]):
+    def __init__(self, replies: list[tuple[bool, bool]], seen: str = ""):
         self.replies = list(replies)  # (checked, ok)
+        self.seen = seen  # the IP it says it dialed (default: the one our connection comes from)
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
         checked, ok = self.replies.pop(0)
-        return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": ""}, b""
+        seen = self.seen or (tcp_endpoint(remote) or ("", "", 0))[1] if checked else ""
+        return {"type": "dialback_reply", "checked": checked, "ok": ok, "reason": "", "seen": seen}, b""
 
     def refusal(self, header: dict[str, Any], code: Code, why: str) -> Any:
-        return {"type": "dialback_reply", "checked": False, "ok": False, "reason": why}, b""
+        return {"type": "dialback_reply", "checked": False, "ok": False, "reason": why, "seen": ""}, b""
 
     def is_member(self, peer: str) -> bool:
         return False
@@ -147,14 +141,16 @@ def test_the_first_peer_of_a_run_says_it_does_not_know_yet() -> None:
         "reachability: reachable directly (2 of 2 peers could dial us at port 31337)")
 
 
-def _connected_to(peers: dict[str, str], honest: list[str]) -> tuple[Any, LoopThread]:
+def _connected_to(peers: dict[str, str], honest: list[str], seen: dict[str, str] | None = None
+                  ) -> tuple[Any, LoopThread]:
     """Us at port 4040, connected to each of ``peers`` (id -> address); those in ``honest`` answer
-    every check "could dial you", the others "could not"."""
+    every check "could dial you", the others "could not"; ``seen``: an IP a peer says it dialed."""
     loop, net = LoopThread(), MemoryNetwork()
     me = net.link("me", "/ip4/198.51.100.2/tcp/4040")
     for peer, addr in peers.items():
         link = net.link(peer, addr)
-        loop.run(link.serve(dialback.PROTOCOL, Server(_Scripted([(True, peer in honest)] * 4))), 5)
+        scripted = _Scripted([(True, peer in honest)] * 4, (seen or {}).get(peer, ""))
+        loop.run(link.serve(dialback.PROTOCOL, Server(scripted)), 5)
         assert net.dial("me", peer)
     return me, loop
 
@@ -211,5 +207,26 @@ def test_a_verdict_of_fewer_answers_does_not_replace_one_of_more() -> None:
     try:
         r.verdict = Verdict(DIRECT, (("a", True), ("b", True), ("c", True)), (4040,), 3)
         assert r.check().mode == DIRECT and changes == []  # one "no" against three "yes" of before
+    finally:
+        loop.close()
+
+
+def test_a_reachable_peer_learns_its_public_ip_from_what_most_of_its_answers_dialed() -> None:
+    """The asked peers say which IP they dialed; more than half of the answers that reached us must
+    name the same one, so one liar among honest answerers names nothing (step 15: a peer announces
+    the address others see, not only the ones it listens on)."""
+    peers = {f"p{i}": f"/ip4/192.0.{i}.7/tcp/4041" for i in range(3)}
+    me, loop = _connected_to(peers, list(peers), seen={"p0": "203.0.113.66"})
+    try:
+        verdict = loop.run(dialback.check(me, [4040]), 15)
+    finally:
+        loop.close()
+    assert verdict.mode == DIRECT and verdict.seen == "198.51.100.2", verdict
+    assert describe(verdict) == ("reachability: reachable directly (3 of 3 peers could dial us at port 4040, "
+                                 "at 198.51.100.2)")
+    split = {"p0": "203.0.113.66", "p1": "203.0.113.67"}
+    me, loop = _connected_to(peers, list(peers), seen=split)
+    try:
+        assert loop.run(dialback.check(me, [4040]), 15).seen == ""  # no majority: nothing learnt
     finally:
         loop.close()

@@ -11,6 +11,7 @@ import pytest
 
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import Envelope, bucket_of, encode_payload, heartbeat_key, ready_key
+from hivetrain.peer import join
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.state.heartbeats import heartbeat_envelope
 from hivetrain.peer.status import heartbeat_ttl, read_matching, read_peers, render, summarize, watch
@@ -103,3 +104,29 @@ def test_the_ready_counts_of_a_run_spread_over_buckets() -> None:
     # 300 peers' heartbeats with target 8 suggest level 3 (per 32: 256 <= 300 < 512)
     assert read_matching(FakeDHT(keys), RUN, 3, 300, 8) == {"ready": 6, "announced": 0}  # type: ignore[arg-type]
     assert read_matching(FakeDHT(keys), RUN, 3, 5, 8) == {"ready": 0, "announced": 0}  # type: ignore[arg-type]
+
+
+def test_each_peers_totals_and_addresses_from_its_heartbeat_and_a_fresh_join_string() -> None:
+    """Step 15: a heartbeat carries its peer's tokens and rounds since its process started and its
+    own addresses; status shows each peer's totals and share, and a join string of the live,
+    dialable peers on the run's state, one per network prefix, under their own ids."""
+    ids = [Identity.generate() for _ in range(5)]
+    dht = FakeDHT({heartbeat_key(RUN): [
+        beat(ids[0], 5, A, tokens=3000, rounds=3, addrs=["/ip4/81.2.69.160/tcp/31337", "/ip4/10.0.0.1/tcp/31337"],
+             reach="direct"),
+        beat(ids[1], 5, A, age=20, tokens=1000, rounds=1, addrs=["/ip4/81.2.69.161/tcp/31337"]),  # same /24
+        beat(ids[2], 5, A, age=5, addrs=["/ip4/192.0.2.1/tcp/4001"], reach="outbound_only"),  # nobody can dial it
+        beat(ids[3], 4, B, addrs=["/ip4/203.0.113.9/tcp/31337"]),  # another state: listed after those on A
+        beat(ids[4], 5, A)]})  # (a peer of the previous release: no totals, no addresses)
+    peers = read_peers(dht, RUN, SPEC)  # type: ignore[arg-type]
+    status = summarize(RUN, SPEC, peers)
+    by_id = {p["peer_id"]: p for p in status["peers"]}
+    assert status["tokens"] == 4000 and by_id[ids[0].peer_id]["share"] == 0.75
+    assert by_id[ids[0].peer_id]["rounds_completed"] == 3 and by_id[ids[4].peer_id]["share"] is None
+    fresh = join.fresh(RUN, peers, status["state_hash"])
+    assert fresh == join.line(RUN, [f"/ip4/81.2.69.160/tcp/31337/p2p/{ids[0].peer_id}",
+                                    f"/ip4/203.0.113.9/tcp/31337/p2p/{ids[3].peer_id}"])
+    assert join.parse(fresh) == (RUN, fresh.partition("@")[2].split(","))
+    text = render({**status, "join": fresh})
+    assert " 3k " in text and " 1k " in text, text  # (each peer's tokens, in few characters)
+    assert text.endswith(f"join with: peer start --join {fresh}")

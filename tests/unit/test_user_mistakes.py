@@ -6,15 +6,17 @@ late fails the test with an ImportError instead of starting anything."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hivetrain.peer import cli, flags
-from hivetrain.peer.config import PRESET_NAMES
+from hivetrain.peer.config import PRESET_NAMES, flag_knobs
 from hivetrain.peer.errors import ConfigError
 
 RUN_KEY = "demo." + "a" * 32
@@ -41,7 +43,8 @@ def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def _start(tmp_path: Path, *flags: str) -> list[str]:
-    return ["start", "--new-run", "x", "--state-dir", str(tmp_path / "state"), *flags]
+    port = [] if {"--port", "--host-maddrs"} & set(flags) else ["--port", "0"]  # (31337 may be in use here)
+    return ["start", "--new-run", "x", "--state-dir", str(tmp_path / "state"), *port, *flags]
 
 
 # ---- files the run writes: refused before the run is announced (review cases 40-42) --------------
@@ -230,3 +233,22 @@ def test_a_listen_port_in_use_is_refused_before_the_daemon_starts(tmp_path: Path
         line = _one_line(_start(tmp_path, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"), capsys)
     assert f"port {port} on 127.0.0.1 is already in use" in line, line
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("knob", [f for f in flag_knobs() if "lo" in f.metadata], ids=lambda f: f.name)
+def test_every_run_spec_knob_is_a_flag_whose_range_error_names_it(knob: Any, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 15 item 8: a knob is declared once (peer/config.py ``knob``); its flag, help and range
+    check come from that declaration, and a value out of its range is one line naming the flag."""
+    flag = "--" + knob.name.replace("_", "-")
+    assert flag in cli.build_parser().format_help() or flag in _start_help()
+    below = knob.metadata["lo"] - 1
+    line = _one_line(_start(tmp_path, flag, str(int(below) if knob.type == "int" else below)), capsys)
+    assert f"{flag} must be" in line and "spec." not in line, line
+    assert not (tmp_path / "state").exists()
+
+
+def _start_help() -> str:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return str(action.choices["start"].format_help())
