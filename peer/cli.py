@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _start_flags(sub)
+    _status_flags(sub)
+    _export_flags(sub)
+    _demo_flags(sub)
+    return parser
+
+
+def _start_flags(sub: Any) -> None:
+    """``peer start``: the run (new or joined), its spec's knobs (generated: ``_spec_flags``), this peer."""
     start = sub.add_parser("start", help="start a new run or join one")
     which = start.add_mutually_exclusive_group(required=True)
     which.add_argument("--new-run", metavar="NAME", help="start a new run named NAME (you become its owner)")
@@ -151,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("-q", "--quiet", action="store_true", help="only print errors (default off)")
     peer.add_argument("-v", "--verbose", action="store_true", help="debug logging, hivemind included (default off)")
 
+
+def _status_flags(sub: Any) -> None:
+    """``peer status``: a read-only look at a run."""
     status = sub.add_parser("status", help="a read-only look at a run: its peers, round, state agreement, speed "
                                            "(publishes nothing; never a member)")
     which = status.add_mutually_exclusive_group(required=True)
@@ -168,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds for bootstrap and DHT look-ups (default 15)")
     _dashboard_flags(status)
 
+
+def _export_flags(sub: Any) -> None:
+    """``peer export``: a run's latest checkpoint as a Hugging Face folder."""
     export = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model folder (offline)")
     which = export.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", metavar="KEY", help="the run key")
@@ -175,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
     export.add_argument("--state-dir", help="the state folder the peer trained with (default ~/.local/share/hivetrain)")
 
+
+def _demo_flags(sub: Any) -> None:
+    """``peer demo``: a local swarm of real processes."""
     demo = sub.add_parser("demo", help="run a local swarm of real peer processes on 127.0.0.1")
     demo.add_argument("--peers", type=int, default=3, help="peer processes to start (default 3)")
     demo.add_argument("--rounds", type=int, default=5, help="rounds to train (default 5)")
@@ -195,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", help="keep logs and metrics here (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON on the last line (default off)")
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
-    return parser
 
 
 def _quiet_libraries(verbose: bool) -> None:

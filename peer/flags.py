@@ -139,6 +139,10 @@ def check_start(args: argparse.Namespace) -> None:
     from hivetrain.dht.diagnose import check_ports
 
     check_ports(args.host_maddrs)  # (an explicit port in use or privileged: one line, before the daemon)
+    if args.data:  # (what the files hold is read once the run is known: peer/train/data.py)
+        from hivetrain.peer.train.datapath import expand
+
+        expand(args.data)
     if args.metrics_file:
         check_writable("--metrics-file", args.metrics_file, "metrics.jsonl")
     if args.info_file:  # written as PATH.tmp, then renamed (peer/app.py ``announce``)

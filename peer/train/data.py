@@ -23,13 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from hivetrain.peer.errors import DataError
+from hivetrain.peer.train.datapath import expand, outside
 
 SEPARATOR = b"\n\n"
 HOLDOUT_EVERY = 10
 TEXT_SUFFIXES = (".txt", ".md")  # files named so must be UTF-8 text: anything else in them is an error
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # read by `datasets`: a "text" field
 TEXT_FIELD = "text"
-GLOB_CHARS = "*?["
 SNIFF_BYTES = 64 * 1024  # what we read of another file to tell text from binary before reading it all
 SKIPPED_NAMED = 8  # skipped files named in the start-up line (the rest are counted)
 MAX_CORPUS_BYTES = 2 * 1024**3
@@ -129,18 +129,9 @@ def _not_regular(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
-def _outside(path: Path, root: Path) -> bool:
-    """Whether a link under ``root`` leads outside it (a data folder that reaches ~/.ssh is not data)."""
-    try:
-        path.resolve(strict=True).relative_to(root.resolve())
-    except (OSError, RuntimeError, ValueError):  # (a dangling link or a loop is outside too)
-        return True
-    return False
-
-
 def _excluded(path: Path, root: Path) -> str | None:
     """Why a file found under ``root`` is not read: a link out of it, or not a regular file."""
-    if path.is_symlink() and _outside(path, root):
+    if path.is_symlink() and outside(path, root):
         return "a link to outside the data folder"
     return _not_regular(path)
 
@@ -308,22 +299,6 @@ def _check_parquet(path: Path, label: str) -> None:
                         f"{MAX_CORPUS_BYTES // 1024**3} GiB limit: pass a smaller file")
 
 
-def _expand(path: str) -> tuple[Path, list[tuple[str, Path]] | None]:
-    """A glob pattern (``data/*.parquet``) -> (its fixed leading folder, the files it matches, sorted);
-    anything else -> (the path, None)."""
-    if not any(c in path for c in GLOB_CHARS) or Path(path).expanduser().exists():
-        return Path(path).expanduser(), None
-    pattern = Path(path).expanduser()
-    parts = pattern.parts
-    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in GLOB_CHARS))
-    root = Path(*parts[:fixed]) if fixed else Path(".")
-    matched = sorted(p for p in root.glob(str(Path(*parts[fixed:])))
-                     if p.is_file() and not (p.is_symlink() and _outside(p, root)))
-    if not matched:
-        raise DataError(f"data pattern {path} matches no files (links that lead outside {root} are left out)")
-    return root, [(p.relative_to(root).as_posix(), p) for p in matched]
-
-
 def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
     """The user's own data: one file, a folder (recursive, sorted by relative path) or a glob pattern
     (``'data/*.parquet'``). A ``.jsonl``/``.json``/``.parquet`` file gives one document per row (its
@@ -335,10 +310,7 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
     error instead (it was meant as text). A path given by itself must be a regular file (or a link to
     one: the user named it). A parquet file is read for its ``text`` column only.
     """
-    root, matched = _expand(path)
-    if matched is None and not root.exists():
-        raise DataError(f"data path {path} does not exist: pass a text file, a folder of text files, a .jsonl or "
-                        ".parquet file, or a pattern such as 'data/*.parquet'")
+    root, matched = expand(path)
     skipped: list[tuple[str, str]] = []
     if matched is not None:
         files = matched

@@ -164,6 +164,14 @@ def test_every_data_error_is_exit_code_2(make, expected: str, tmp_path: Path,  #
     assert expected in line and str(path) in line, line
 
 
+@pytest.mark.parametrize("name, expected", [("nope.txt", "does not exist"), ("*.nothing", "matches no files")])
+def test_a_data_path_that_leads_nowhere_is_refused_before_anything_starts(
+        name: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line(_start(tmp_path, "--data", str(tmp_path / name)), capsys)  # (cmd_start's modules: unimportable)
+    assert expected in line and str(tmp_path / name) in line, line
+    assert not (tmp_path / "state").exists()
+
+
 # ---- --preset and the run-spec flags (review cases 1, 49, 51-53, 62) ------------------------------
 
 
