@@ -19,14 +19,14 @@ import torch
 
 from hivetrain.dht.diagnose import check_ports
 from hivetrain.dht.errors import DHTError
-from hivetrain.dht.identity import Identity
+from hivetrain.dht.identity import Identity, make_run_key
 from hivetrain.dht.node import DHT, DHTOptions
 from hivetrain.peer import join, reach
 from hivetrain.peer.assembly import Peer, Seams, serve_dialback
 from hivetrain.peer.config import PeerOptions, RunSpec, outer_defaults
 from hivetrain.peer.dashboard import Dashboard, RunWatcher, parse_bind
 from hivetrain.peer.errors import ConfigError, StateMismatch
-from hivetrain.peer.export import save_spec, save_tokenizer
+from hivetrain.peer.export import load_spec, save_spec, save_tokenizer, spec_path
 from hivetrain.peer.faults import FaultPlan
 from hivetrain.peer.net.libp2p import LibP2PLink
 from hivetrain.peer.runspec import fetch_spec, new_run, republish
@@ -106,6 +106,7 @@ def open_run(dht: DHT, options: PeerOptions, choice: RunChoice, say: Say) -> Ope
             plan = fits(spec, options, say)  # (before the run is published: a refusal publishes nothing)
             corpus = hf.tokenize_corpus(corpus, source, say, _token_cache(options))
         owner = _load_identity(os.path.join(options.state_dir, "owners", f"{spec.name}.key"))
+        _same_run(os.path.join(options.state_dir, "checkpoints"), make_run_key(spec.name, owner.public_key), spec)
         run_key, _ = new_run(dht, owner, spec)
         if source is None:
             return Opened(run_key, spec, corpus)
@@ -162,6 +163,25 @@ def _join_hf(opened: Opened, options: PeerOptions, say: Say) -> Opened:
     # (whether our weights are the run's start, the trainer finds out from the state they make)
     return Opened(key, spec, hf.tokenize_corpus(opened.corpus, source, say, _token_cache(options)), source.model,
                   source.tokenizer, plan)
+
+
+def _same_run(ckpt_dir: str, run_key: str, spec: RunSpec) -> None:
+    """A run started again with ``--new-run`` (the same name and owner key: the same run key) must
+    have the spec it was started with: publishing another under the key would change the run under
+    its peers' feet (and resume a checkpoint of the old spec). ConfigError naming the flags to pass."""
+    if not os.path.exists(spec_path(ckpt_dir, run_key)):
+        return
+    before = load_spec(ckpt_dir, run_key)
+    if before.spec_hash() == spec.spec_hash():
+        return
+    old, new = before.to_dict(), spec.to_dict()
+    flags = {"model": "--preset/--model", "dataset": "--data", "hf_config": "--model", "init_hash": "--model",
+             "tokenizer": "--model", "pretrained": "--preset"}
+    changed = [f"{flags[k]} as before (its {k} differs)" if k in flags else
+               f"--{k.replace('_', '-')} {old[k]} (now {new.get(k)})" for k in old if old[k] != new.get(k)]
+    raise ConfigError(f"run {spec.name} ({run_key[:len(spec.name) + 9]}...) was started here with other settings: "
+                      f"{'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}. Start it again with the same "
+                      "flags, or start a new run under another name")
 
 
 def _load_identity(path: str) -> Identity:

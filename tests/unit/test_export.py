@@ -88,3 +88,21 @@ def test_export_takes_only_a_run_key_and_ignores_its_case(tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
     done = export_run(f"  {RUN.upper()} ", str(state), str(tmp_path / "upper"))  # as pasted, in capitals
     assert done["round"] == 12 and (tmp_path / "upper" / "model.safetensors").exists()
+
+
+def test_a_run_started_again_with_other_settings_is_refused_naming_the_flags(tmp_path: Path) -> None:
+    """``--new-run NAME`` again, with the same owner key, is the same run key: another spec published
+    under it would change the run under its peers (found while writing the README: an owner started
+    with --sync-every 4, restarted without it, republished H=20 and resumed the H=4 checkpoint)."""
+    from hivetrain.peer.app import _same_run
+
+    ckpt = str(tmp_path)
+    started = RunSpec.from_preset("exp-tiny", "tiny", sync_every=4)
+    _same_run(ckpt, RUN, started)  # a run never started here: nothing to compare
+    save_spec(ckpt, RUN, started)
+    _same_run(ckpt, RUN, RunSpec.from_preset("exp-tiny", "tiny", sync_every=4))  # the same flags again
+    with pytest.raises(ConfigError) as e:
+        _same_run(ckpt, RUN, RunSpec.from_preset("exp-tiny", "small"))
+    text = str(e.value)
+    assert "was started here with other settings: --preset/--model as before (its model differs)" in text, text
+    assert "--sync-every 4 (now 50)" in text and "another name" in text and "\n" not in text, text
