@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import socket
 from collections.abc import Sequence
 
@@ -58,7 +59,7 @@ def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
     nothing listens there, the host is unreachable, or something answers but not as that peer id."""
     reasons = []
     for maddr in initial_peers:
-        where = tcp_endpoint(maddr)
+        where = tcp_endpoint(maddr) or _resolved(maddr, reasons)
         if where is None:
             continue
         proto, ip, port = where
@@ -80,6 +81,25 @@ def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
     return "; ".join(reasons) if reasons else "no initial peer could be reached"
 
 
+def _resolved(maddr: Multiaddr, reasons: list[str]) -> tuple[str, str, int] | None:
+    """("ip4" or "ip6", ip, port) of a /dns*/NAME/tcp/PORT address, or None with the reason in ``reasons``
+    when NAME does not resolve."""
+    for proto in ("dns4", "dns6", "dns"):
+        try:
+            name, port = maddr.value_for_protocol(proto), int(maddr.value_for_protocol("tcp"))
+        except Exception:
+            continue
+        try:
+            family_, *_, sockaddr = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM,
+                                                       family=socket.AF_INET6 if proto == "dns6" else
+                                                       socket.AF_INET if proto == "dns4" else 0)[0]
+        except (OSError, UnicodeError):
+            reasons.append(f"the name {name} does not resolve (a typo, or no DNS here)")
+            return None
+        return ("ip6" if family_ == socket.AF_INET6 else "ip4"), str(sockaddr[0]), port
+    return None
+
+
 EXAMPLE_PEER = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."  # shown in errors: the form of a peer's address
 EXAMPLE_HOST = "/ip4/0.0.0.0/tcp/31337"  # ... and of an address to listen on or announce
 
@@ -92,6 +112,13 @@ def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[M
         try:
             maddr = Multiaddr(value)
         except Exception as e:
+            if (hostport := re.fullmatch(r"\[?([\w.:-]+?)\]?:(\d{1,5})", value.strip())) is not None:
+                host, port = hostport.groups()  # HOST:PORT, as other tools write it
+                kind = "ip6" if ":" in host else "ip4" if re.fullmatch(r"[\d.]+", host) else "dns4"
+                tail = "/p2p/<its peer id>" if need_peer_id else ""
+                raise AddressError(f"{what} {value!r} is HOST:PORT; a multiaddr writes it /{kind}/{host}/tcp/{port}"
+                                   f"{tail} (copy the full address, or the join string, a peer of the run printed)"
+                                   ) from None
             raise AddressError(f"{what} {value!r} is not a valid multiaddr ({e}); the form is {example}") from None
         protocols = {p.name for p in maddr.protocols()}
         if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"} or "tcp" not in protocols:

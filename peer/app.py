@@ -185,7 +185,11 @@ def _same_run(ckpt_dir: str, run_key: str, spec: RunSpec) -> None:
 
 
 def _load_identity(path: str) -> Identity:
-    """A key file (created if absent); ConfigError, in one line, for one that is not an Ed25519 PEM key."""
+    """A key file (created if absent); ConfigError, in one line, for one that is not an Ed25519 PEM key,
+    or a link to a file that is gone (a new key written through it would be a new identity unasked)."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError(f"the key file {path} is a link to {os.readlink(path)}, which does not exist: restore "
+                          "it, or remove the link to get a new identity")
     try:
         return Identity.load_or_create(path)
     except ValueError as e:

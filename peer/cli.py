@@ -229,6 +229,9 @@ def _quiet_libraries(verbose: bool) -> None:
 
 def _stop_on_sigterm() -> None:
     def handler(signum: int, frame: Any) -> None:
+        # stopping: tasks the shutdown cancels mid-flight are not the user's business (asyncio would log
+        # "Task exception was never retrieved" and "Task was destroyed but it is pending!")
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)

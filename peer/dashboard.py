@@ -19,6 +19,7 @@ seconds on its own thread; the training thread is never asked for anything but i
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import threading
@@ -292,7 +293,9 @@ class Dashboard:
         try:
             self.server = _BoundedServer(bind, Handler)
         except OSError as e:
-            raise ConfigError(f"--dashboard {bind[0]}:{bind[1]}: cannot listen there ({e.strerror or e})") from None
+            hint = "; ports below 1024 need root (or CAP_NET_BIND_SERVICE): pick one above" \
+                if 0 < bind[1] < 1024 and e.errno == errno.EACCES else ""
+            raise ConfigError(f"--dashboard {bind[0]}:{bind[1]}: cannot listen there ({e.strerror or e}){hint}") from None
         self._thread = threading.Thread(target=self.server.serve_forever, name="hivetrain-dashboard", daemon=True)
 
     @property

@@ -18,6 +18,7 @@ tr.you td{background:#fff4e0;font-weight:600} .tag{color:#c05800;font-weight:600
 #you dt{font-size:11px;color:#666} #you dd{margin:0;font-size:16px;font-weight:600}
 </style></head><body>
 <h1>hivetrain</h1><div id="head">loading&hellip;</div>
+<div id="join" class="none" hidden>join with: <code id="join-line"></code></div>
 <div class="card" id="you" hidden><h2>you: <span id="you-id"></span> (totals since this peer started)</h2><dl id="you-totals"></dl></div>
 <div class="grid">
 <div class="card"><h2>loss by round</h2><svg id="loss"></svg><div class="legend" id="loss-legend"></div></div>
@@ -79,6 +80,9 @@ function draw(d){
   if(run){const s=run.spec;
     document.getElementById("head").textContent=`run ${run.run}: ${s.model}, H=${s.sync_every}, ${s.compression} | round ${run.round} | ${run.peers.length} peers, ${Math.round(run.agreement*100)}% on state ${(run.state_hash||"-").slice(0,12)} | ${fmt(run.tokens_per_s)} tokens/s | held-out ${run.eval_loss==null?"-":run.eval_loss.toFixed(4)}`;
   }else document.getElementById("head").textContent="waiting for the run's records...";
+  // the run's join string, fresh from its live peers' heartbeats (peer/join.py): for the next volunteer
+  document.getElementById("join").hidden=!(run&&run.join);
+  if(run&&run.join)document.getElementById("join-line").textContent=`peer start --join ${run.join}`;
   drawYou(you);
   const ok=rounds.filter(r=>!r.void);
   // held-out losses by the round of the state they were measured at: the run's samples name the state's

@@ -58,7 +58,7 @@ def load_spec(ckpt_dir: str, run_key: str) -> RunSpec:
         spec = RunSpec.from_dict(raw["spec"])
     except FileNotFoundError:
         raise ConfigError(f"no checkpoint of run {run_key} in {os.path.dirname(ckpt_dir)}: train in it first "
-                          "(peer start --run ...), or pass the --state-dir it used") from None
+                          "(peer start --join ...), or pass the --state-dir it used") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} is unreadable ({e}); start the peer again to rewrite it") from None
     if spec.spec_hash().hex() != raw.get("spec_hash"):

@@ -59,6 +59,9 @@ class _InFlight:
         except concurrent.futures.TimeoutError:
             self.future.cancel()
             raise RoundFailed(f"the averaging did not end within {self.budget:.0f} s") from None
+        except (KeyboardInterrupt, SystemExit):  # Ctrl+C or SIGTERM while we wait: the user stops the peer
+            self.future.cancel()
+            raise
         except BaseException as e:  # the round is void whatever went wrong; say what it was
             raise RoundFailed(reason(f"{type(e).__name__}: {e}")) from None
 

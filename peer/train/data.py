@@ -148,6 +148,8 @@ def _utf8_error(data: bytes) -> int | None:
 def _read_utf8(path: Path, label: str) -> bytes:
     """The file's bytes, checked to be UTF-8 (strict: a corpus of mis-decoded text is a silent bug)."""
     data = _read(path, label)
+    if (nul := data.find(b"\0")) >= 0:  # (no text holds NUL: iconv is not the advice)
+        raise DataError(f"{label} looks binary (a NUL byte at byte {nul}), not text: pass a text file, or remove it")
     if (bad := _utf8_error(data)) is not None:
         raise DataError(
             f"{label} is not valid UTF-8 (byte {bad}): convert it, e.g. iconv -f latin1 -t utf-8, or remove it"
@@ -341,7 +343,7 @@ def load_text_files(path: str, min_tokens: int = DEFAULT_MIN_TOKENS) -> Corpus:
                 skipped.append((rel, "no text in its rows"))
             continue
         if root.is_file() or p.name.lower().endswith(TEXT_SUFFIXES):  # meant as text: not UTF-8 is an error
-            doc = _read_utf8(p, f"{path}: {rel}")
+            doc = _read_utf8(p, str(path) if root.is_file() else f"{path}: {rel}")
         elif _utf8_error(doc := _read(p, f"{path}: {rel}")) is not None:
             skipped.append((rel, "not UTF-8 text (past its first 64 KiB)"))
             continue

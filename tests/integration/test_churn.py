@@ -156,3 +156,27 @@ def test_restart_resumes_or_resyncs_and_ends_identical(swarm, tmp_path: Path) ->
     finals = {p.name: p.records()[-1] for p in (owner, p1, again)}
     assert len({r["round"] for r in finals.values()}) == 1
     assert len({r["state_hash"] for r in finals.values()}) == 1, finals
+
+
+def test_a_signal_while_the_peer_waits_in_its_averaging_stops_it(swarm, tmp_path: Path) -> None:
+    """Ctrl+C or SIGTERM during a round's averaging stops the peer (exit 130), as at any other time:
+    it was caught as the round's failure, the round voided and the peer trained on (found re-running
+    the UX review's bad inputs, docs/BAD-INPUTS.md case 66). The partner stops itself after sending
+    its parts of round 1, so the owner waits in that round's averaging (up to its 60 s deadline)."""
+    common = ["--sync-every", "4", "--allreduce-timeout", "60", "--until-round", "50", "--wait-for-peers", "2",
+              "--target-group-size", "2"]
+    owner = swarm("p0", "--new-run", "sigavg", *common)
+    info = owner.wait_info()
+    fault = tmp_path / "fault.log"
+    stalled = swarm("stalled", "--join", info["join"], *common, "--fault", "stop@after_parts:1",
+                    "--fault-log", str(fault))
+    try:
+        wait_until(lambda: fault.exists() and fault.read_text().startswith("stop@after_parts:1"), [owner], 180,
+                   "the partner stopped inside round 1")
+        assert not [r for r in owner.records() if r["round"] >= 1], owner.records()  # round 1 not ended yet
+        owner.proc.send_signal(signal.SIGTERM)
+        assert owner.wait(20) == 130, owner.log.read_text()[-3000:]  # well before round 1's deadline
+        log = owner.log.read_text()
+        assert "stopped after" in log and "KeyboardInterrupt" not in log, log[-3000:]
+    finally:
+        os.killpg(stalled.proc.pid, signal.SIGKILL)

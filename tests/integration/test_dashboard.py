@@ -117,6 +117,8 @@ def test_dashboard_json_metrics_and_page_in_a_headless_browser(swarm, tmp_path: 
     card = re.search(r'<div class="card" id="you" data-tokens="(\d+)" data-rounds-completed="(\d+)"', dom.stdout)
     assert card and int(card.group(2)) >= you["rounds_completed"] and int(card.group(1)) == int(card.group(2)) * per_round
     assert info["peer_id"] in dom.stdout  # the card names this peer
+    joined = re.search(r'<code id="join-line">peer start --join (hivetrain://[^<]+)</code>', dom.stdout)
+    assert joined and info["peer_id"] in joined.group(1), dom.stdout[:3000]  # the run's fresh join string, shown
     shot = tmp_path / "dashboard.png"
     taken = _chromium("--virtual-time-budget=8000", "--window-size=1280,1100", f"--screenshot={shot}", base + "/")
     assert taken.returncode == 0 and shot.exists() and shot.stat().st_size > 10_000, taken.stderr[-2000:]

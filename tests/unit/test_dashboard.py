@@ -252,3 +252,18 @@ def test_a_private_dashboard_on_any_address_shows_our_own_data_only_to_loopback_
         conn.close()
     finally:
         board.stop()
+
+
+def test_a_privileged_dashboard_port_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UX review case 33, as the listen port (31) already says it: a port below 1024 needs root."""
+    import errno
+
+    from hivetrain.peer import dashboard
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(dashboard, "_BoundedServer", refused)
+    with pytest.raises(ConfigError, match=r"127.0.0.1:80: cannot listen there \(Permission denied\); ports below "
+                                          r"1024 need root"):
+        Dashboard(("127.0.0.1", 80), None)

@@ -59,7 +59,7 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path: Pa
 
 def test_export_refuses_what_it_cannot_do_in_one_line(tmp_path: Path) -> None:
     _, _, state = _trained_state(tmp_path)
-    with pytest.raises(ConfigError, match="no checkpoint of run other"):
+    with pytest.raises(ConfigError, match=r"no checkpoint of run other.*\(peer start --join \.\.\.\)"):
         export_run("other.abcdefghijklmnopqrstuvwxyz234567", str(state), str(tmp_path / "x"))
     (state / "checkpoints" / f"{RUN}.ckpt").unlink()  # a spec, but no round finished here (review case 44)
     with pytest.raises(ConfigError, match="it never finished a round here"):

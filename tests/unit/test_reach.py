@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,8 @@ from typing import Any
 import pytest
 from multiaddr import Multiaddr
 
-from hivetrain.dht.diagnose import diagnose, tcp_endpoint
+from hivetrain.dht.diagnose import diagnose, parse_maddrs, tcp_endpoint
+from hivetrain.dht.errors import AddressError
 from hivetrain.peer import reach
 from hivetrain.peer.averaging.simulation import LoopThread
 from hivetrain.peer.net import dialback
@@ -230,3 +232,35 @@ def test_a_reachable_peer_learns_its_public_ip_from_what_most_of_its_answers_dia
         assert loop.run(dialback.check(me, [4040]), 15).seen == ""  # no majority: nothing learnt
     finally:
         loop.close()
+
+
+def test_a_host_port_address_and_a_dns_name_are_explained_in_multiaddr_words(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """UX review cases 5 and 9: ``example.com:31337`` is shown as the multiaddr it means, and a DNS
+    name that does not resolve is said to be the reason no initial peer let us in."""
+    for value, form in (("example.com:31337", "/dns4/example.com/tcp/31337/p2p/<its peer id>"),
+                        ("203.0.113.5:4001", "/ip4/203.0.113.5/tcp/4001/p2p/<its peer id>")):
+        with pytest.raises(AddressError, match="is HOST:PORT; a multiaddr writes it " + re.escape(form)):
+            parse_maddrs([value], "initial peer", need_peer_id=True)
+    closed = free_port()
+    assert diagnose([Multiaddr(f"/dns4/localhost/tcp/{closed}/p2p/{PEER}")], timeout=2) == (
+        f"nothing listens at 127.0.0.1 port {closed} (the peer stopped, or the port is wrong)")
+
+    def nowhere(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", nowhere)
+    assert diagnose([Multiaddr(f"/dns4/nonexistent.invalid/tcp/31337/p2p/{PEER}")]) == (
+        "the name nonexistent.invalid does not resolve (a typo, or no DNS here)")
+
+
+def test_an_identity_link_to_a_file_that_is_gone_is_refused_not_replaced(tmp_path: Path) -> None:
+    """UX re-run case 80: a dangling ``--identity`` link was silently written through with a new key."""
+    from hivetrain.peer.app import _load_identity
+    from hivetrain.peer.errors import ConfigError
+
+    link = tmp_path / "identity.key"
+    link.symlink_to(tmp_path / "gone" / "identity.key")
+    with pytest.raises(ConfigError, match="is a link to .*gone/identity.key, which does not exist"):
+        _load_identity(str(link))
+    assert not (tmp_path / "gone").exists()

@@ -151,6 +151,7 @@ def test_a_bad_status_flag_is_refused_before_the_dht_starts(flags: list[str], na
     (lambda d: d / "*.nothing", "matches no files"),
     (lambda d: (d / "tiny.txt").write_text("abc") and d / "tiny.txt", "too little text"),
     (lambda d: (d / "latin1.txt").write_bytes(b"caf\xe9 " * 20000) and d / "latin1.txt", "not valid UTF-8"),
+    (lambda d: (d / "blob.bin").write_bytes(b"PK\0\x03" * 5000) and d / "blob.bin", "looks binary (a NUL byte"),
 ])
 def test_every_data_error_is_exit_code_2(make, expected: str, tmp_path: Path,  # type: ignore[no-untyped-def]
                                          capsys: pytest.CaptureFixture[str],
