@@ -44,7 +44,8 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    mean of the groups it holds (``_far``): two honest designees see the round a little differently
    (their boards, bans and newcomer brakes), but a mean further than CHOICE_SPREAD x the groups'
    spread from ours left the round's groups out (a designee that named only a group of one it
-   made up of itself was the mean). A mean counts only with both signatures: a designee that
+   made up of itself was the mean), and it signs no mean that counts a group whose every vouched
+   member it caught breaking the protocol. A mean counts only with both signatures: a designee that
    writes what it averages (the update reversed, within MEAN_BOUND), or chooses whom it averages,
    is refused by an honest witness, and its sub-piece's groups ask the next pair; two colluding
    designees drawn as one pair are the residue.
@@ -921,6 +922,18 @@ class Desk:
             return Code.NOT_READY, f"we hold no checked sub-piece of {len(missing)} of its groups yet", ""
         # (view-free: a group we banned, or left out of the weight for a peer we did not see, may be in its mean)
         chosen = [dataclasses.replace(unit.entries[g], weight=w, banned=False) for g, w in manifest.items() if w > 0]
+        # (one view of ours does count: values that only peers we caught breaking the protocol vouch for
+        # are not averaged into what we sign. An honest peer that restarted, alone at its state with the
+        # equivocator it had convicted, countersigned the equivocator's mean of both their groups of one:
+        # search seed 5,000,467. An honest designee that did not catch it is refused too, and the next pair
+        # asked. A group with other members still counts, whoever reduced it: its members' words approve
+        # its values, and refusing it cost honest groups their rounds, seeds 5,000,034 and 5,000,052)
+        bans = self.ctx.bans
+        caught = next((c for c in chosen if c.vouched and all(m in bans for m in c.vouched)), None)
+        if caught is not None:
+            why = f"it counts group {caught.group[:12]}, whose values are those of a peer we caught breaking the protocol"
+            self.refused.setdefault((k, j), (sender, why))
+            return Code.MALFORMED, why, ""
         times = Counter(m for c in chosen for m in c.vouched)
         for c in chosen:
             if not c.counts():

@@ -549,6 +549,19 @@ def test_a_designee_that_averages_only_a_group_it_made_up_is_refused_by_its_witn
     assert violations == [] and measured["I2_states_per_round"] == 1 and measured["I4_completed_fraction"] == 1.0
 
 
+def test_a_restarted_peer_alone_with_the_equivocator_it_convicted_signs_no_mean_of_its_values() -> None:
+    """Search seed 5,000,467 (unverifiable_parts, 6 peers, one of them crashes and restarts): the
+    restarted honest peer ended up at a state with the attacker alone, convicted it of signing two
+    parts, and in the next round each was a group of one; the attacker's designee mean of both
+    groups, countersigned by the honest witness (it checks whatever its own bans), put the attacker's
+    values in the honest state, 1.07e12 x the honest deviation (one honest peer at that base). Now a
+    witness signs no mean that counts a group whose every vouched member it caught."""
+    result = simulate(schedule(5_000_467))
+    assert LIBRARY["unverifiable_parts"].happened(result)
+    violations, _ = check(result)
+    assert violations == [], violations
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 def test_a_designee_that_signs_its_mean_times_minus_1000_is_refused_by_every_honest_peer(seed: int) -> None:
     """lying_designee (one attacker of 8 whose ready records come first: it is every sub-piece's

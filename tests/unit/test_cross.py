@@ -602,6 +602,64 @@ def test_a_witness_refuses_a_mean_of_groups_chosen_to_leave_the_rounds_groups_ou
     asyncio.run(go())
 
 
+def test_a_witness_signs_no_mean_of_values_that_only_a_peer_it_caught_vouches_for() -> None:
+    """Search seed 5,000,467: an honest peer restarted and found itself alone at its state with the
+    equivocator it had convicted; each was a group of one, the equivocator was the designee and
+    averaged both, and the honest witness countersigned (it checks whatever its own bans): I1 broke.
+    Now a group whose every vouched member we caught is refused; the same mean of a peer we did not
+    catch is signed."""
+    import dataclasses
+
+    from hivetrain.peer.averaging.behaviour import HONEST
+    from hivetrain.peer.averaging.statements import Where, sign_part
+
+    designees = [Identity.generate() for _ in range(2)]
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    primary, witness = plan.ranked(0, 0)[:2]
+    ids = {i.peer_id: i for i in designees}
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans={primary},
+                          trust=Trust(), identity=ids[witness], behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    d._seen([primary, witness])
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    codec = ctx.codec.for_results(MAX_GROUP)
+    torch.manual_seed(0)
+    groups = {"1" * 64: (ids[witness], torch.randn(b - a)), "2" * 64: (ids[primary], 1e3 * torch.randn(b - a))}
+
+    def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
+        r, values = groups[group]
+        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
+        body = bytes(codec.encode(values))
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
+                 "witness": witness}, body)
+
+    async def go() -> None:
+        try:
+            for group, (r, _) in groups.items():
+                assert (await d.accept(r.peer_id, *sub_piece(group)))[0] == Code.OK
+            entries = d.work[(0, 0, 0)].entries
+            mean, _, _, _ = d._mean(0, 0, [dataclasses.replace(e, banned=False) for e in entries.values()])
+            header = {"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
+                      "result": hashlib.sha256(mean).hexdigest(), "weight": 2, "groups": 2, "enc": MAX_GROUP,
+                      "manifest": [[bytes.fromhex(g), 1] for g in sorted(groups)]}
+            code, why, sig = await d.check(primary, header, mean)
+            assert code == Code.MALFORMED and "a peer we caught" in why and not sig, why
+            assert d.refused[(0, 0)] == (primary, why)
+            ctx.bans = set()  # the same mean, from a designee we caught nothing of: signed
+            code, why, sig = await d.check(primary, header, mean)
+            assert code == Code.OK and sig, why
+        finally:
+            d.stop()
+
+    asyncio.run(go())
+
+
 def test_the_groups_spread_is_robust_to_a_group_far_off_and_to_copies() -> None:
     """What a witness allows between a designee's mean and its own (``groups_spread``): far off
     groups with less than half the weight do not widen it, copies of an honest group keep it on the
