@@ -57,7 +57,7 @@ def check_ports(host_maddrs: Sequence[str]) -> None:
 def diagnose(initial_peers: Sequence[Multiaddr], timeout: float = 3.0) -> str:
     """Why none of ``initial_peers`` let us in, in plain words (the first that says something):
     nothing listens there, the host is unreachable, or something answers but not as that peer id."""
-    reasons = []
+    reasons: list[str] = []
     for maddr in initial_peers:
         where = tcp_endpoint(maddr) or _resolved(maddr, reasons)
         if where is None:
