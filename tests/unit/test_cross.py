@@ -4,8 +4,11 @@ groups a designee's means wait for."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -13,6 +16,7 @@ from hivetrain.dht import clock
 from hivetrain.dht.identity import Identity
 from hivetrain.dht.records import bucket_of
 from hivetrain.peer.averaging.api import shard_bounds
+from hivetrain.peer.averaging.behaviour import HONEST
 from hivetrain.peer.averaging.cross import (
     MAX_EARLY_WORDS,
     POLL,
@@ -26,6 +30,7 @@ from hivetrain.peer.averaging.cross import (
     vouch,
 )
 from hivetrain.peer.averaging.ready import MemoryReadyBoard, Ready
+from hivetrain.peer.averaging.statements import Where, sign_part
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
 from hivetrain.peer.trust import Trust
@@ -454,73 +459,94 @@ def test_a_reducer_signing_its_own_values_must_sign_exactly_its_groups_result() 
     assert s2.deposit_cross(other.peer_id, header, body) == (Code.OK, "")  # type: ignore[attr-defined]
 
 
+@dataclass
+class _Witnessing:
+    """A witness's desk for sub-piece (0, 0) of round 3 among ``designees`` (the plan's first two
+    ranked are the designee it checks and itself), and how to make that sub-piece's messages."""
+    d: Desk
+    ctx: SimpleNamespace
+    plan: Any
+    primary: str
+    witness: str
+    numel: int  # values in the sub-piece
+    codec: Any
+
+    def sub_piece(self, reducer: Identity, group: str, values: torch.Tensor) -> tuple[dict[str, object], bytes]:
+        """A group of one's sub-piece, as its reducer sends it to both designees, with its own word."""
+        word = {reducer.peer_id: ("0" * 32, sign_part(reducer, Where(RUN, 3, group, 0), "0" * 32))}
+        body = bytes(self.codec.encode(values))
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": [reducer.peer_id], "weight": 1,
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([reducer.peer_id], word),
+                 "witness": self.witness}, body)
+
+    def asked(self, values: torch.Tensor | bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
+        """The designee's ``cross_check``: its mean (values, or their bytes) of groups with weights."""
+        body = values if isinstance(values, bytes) else bytes(self.codec.encode(values))
+        return ({"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
+                 "result": hashlib.sha256(body).hexdigest(), "weight": sum(weights.values()), "groups": len(weights),
+                 "enc": MAX_GROUP, "manifest": [[bytes.fromhex(g), w] for g, w in sorted(weights.items())]}, body)
+
+
+def _witnessing(designees: list[Identity]) -> _Witnessing:
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    primary, witness = plan.ranked(0, 0)[:2]
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans=set(), trust=Trust(),
+                          identity=next(i for i in designees if i.peer_id == witness), behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    return _Witnessing(d, ctx, plan, primary, witness, b - a, ctx.codec.for_results(MAX_GROUP))
+
+
 def test_a_witness_countersigns_only_the_mean_it_recomputes_from_the_same_groups() -> None:
     """drawn_designee: a designee on time (one of those near the anchor) signed the means it drew
     times -1, within MEAN_BOUND, and every honest peer applied them (I1 broken in 3 of 3 seeds).
     Now its mean counts only with its witness's signature: the witness holds the same groups'
     sub-pieces (their reducers sent them to both) and signs only a mean it recomputes from them with
     weights it could give; one mean per sub-piece. A mean without it is refused by every member."""
-    import dataclasses
-
-    from hivetrain.peer.averaging.behaviour import HONEST
     from hivetrain.peer.averaging.cross import checked, message
-    from hivetrain.peer.averaging.statements import Where, sign_part, valid
+    from hivetrain.peer.averaging.statements import valid
 
     designees = [Identity.generate() for _ in range(3)]
     reducers = [Identity.generate() for _ in range(2)]
-    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
-    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
-                                      numel=1 << 16), witnessed=True)
-    primary, witness = plan.ranked(0, 0)[:2]
-    me = next(i for i in designees if i.peer_id == witness)
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans=set(), trust=Trust(),
-                          identity=me, behaviour=HONEST)
-    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
-    d.plan = d.mine = plan
-    start, end = shard_bounds(1 << 16, 8)[0]
-    a, b = plan.sub_bounds(start, end)[0]
-    codec = ctx.codec.for_results(MAX_GROUP)
-    groups = {f"{i + 1}" * 64: (r, torch.full((b - a,), 1.0 + 2 * i)) for i, r in enumerate(reducers)}
+    w = _witnessing(designees)
+    d, plan, primary, witness, codec, n = w.d, w.plan, w.primary, w.witness, w.codec, w.numel
+    groups = {f"{i + 1}" * 64: (r, torch.full((n,), 1.0 + 2 * i)) for i, r in enumerate(reducers)}
 
     def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
         r, values = groups[group]
-        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
-        body = bytes(codec.encode(values))
-        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
-                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
-                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
-                 "witness": witness}, body)
+        return w.sub_piece(r, group, values)
 
-    def asked(values: torch.Tensor | bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
-        body = values if isinstance(values, bytes) else bytes(codec.encode(values))
-        return ({"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
-                 "result": hashlib.sha256(body).hexdigest(), "weight": sum(weights.values()), "groups": len(weights),
-                 "enc": MAX_GROUP, "manifest": [[bytes.fromhex(g), w] for g, w in sorted(weights.items())]}, body)
+    asked = w.asked
 
     async def go() -> None:
         try:
             # a mean of groups we do not hold yet: asked again later (the stream is not held meanwhile)
-            code, _, sig = await d.check(primary, *asked(torch.full((b - a,), 2.0), dict.fromkeys(groups, 1)))
+            code, _, sig = await d.check(primary, *asked(torch.full((n,), 2.0), dict.fromkeys(groups, 1)))
             assert code == Code.NOT_READY and not sig
             for group, (r, _) in groups.items():
                 assert (await d.accept(r.peer_id, *sub_piece(group)))[0] == Code.OK
             assert d.work[(0, 0, 0)].task is None  # we are their witness: we compute no mean of our own
             true = dict.fromkeys(groups, 1)
             mean, _, _, _ = d._mean(0, 0, list(d.work[(0, 0, 0)].entries.values()))  # (what an honest designee sends)
-            code, why, _ = await d.check(primary, *asked(-codec.decode(mean, b - a), true))  # reversed
+            code, why, _ = await d.check(primary, *asked(-codec.decode(mean, n), true))  # reversed
             assert code == Code.MALFORMED and "another" in why and d.refused[(0, 0)][0] == primary
             inflated = {**true, "2" * 64: 5}  # a weight no member's word allows
-            code, why, _ = await d.check(primary, *asked(torch.full((b - a,), 2.5), inflated))
+            code, why, _ = await d.check(primary, *asked(torch.full((n,), 2.5), inflated))
             assert code == Code.MALFORMED and "weighs 5" in why
             outsider = next(i.peer_id for i in designees if i.peer_id not in (primary, witness))
-            assert (await d.check(reducers[0].peer_id, *asked(torch.full((b - a,), 2.0), true)))[0] == Code.WRONG_ROLE
+            assert (await d.check(reducers[0].peer_id, *asked(torch.full((n,), 2.0), true)))[0] == Code.WRONG_ROLE
             assert outsider in plan.ranked(0, 0)  # (a designee, but never the witness of its own mean)
             header, body = asked(mean, true)
             code, why, sig = await d.check(primary, header, body)
             signed = message(RUN, 3, BASE, 0, 0, str(header["result"]), 2, 2, MAX_GROUP)
             assert code == Code.OK and valid(witness, bytes.fromhex(sig), signed), why
             # one mean per sub-piece: another one (here the same groups, weighed otherwise) is refused
-            code, why, _ = await d.check(primary, *asked(torch.full((b - a,), 7.0), {**true, "2" * 64: 0}))
+            code, why, _ = await d.check(primary, *asked(torch.full((n,), 7.0), {**true, "2" * 64: 0}))
             assert code == Code.EQUIVOCATION
             # members and reducers apply the designee's mean only with the witness's signature
             signer = next(i for i in designees if i.peer_id == primary)
@@ -544,45 +570,23 @@ def test_a_witness_refuses_a_mean_of_groups_chosen_to_leave_the_rounds_groups_ou
     holds: within the groups' spread (each group's distance to its nearest other) an honest
     designee's view may differ from ours (a mean of one real group chosen among several is still
     within it: an honest group's values); a mean further off is refused."""
-    import dataclasses
-
-    from hivetrain.peer.averaging.behaviour import HONEST
-    from hivetrain.peer.averaging.statements import Where, sign_part
-
     designees = [Identity.generate() for _ in range(3)]
     reducers = [Identity.generate() for _ in range(4)]
-    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
-    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
-                                      numel=1 << 16), witnessed=True)
-    primary, witness = plan.ranked(0, 0)[:2]
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans=set(), trust=Trust(),
-                          identity=next(i for i in designees if i.peer_id == witness), behaviour=HONEST)
-    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
-    d.plan = d.mine = plan
+    w = _witnessing(designees)
+    d, primary, n = w.d, w.primary, w.numel
     d._seen([r.peer_id for r in reducers] + [primary])
-    start, end = shard_bounds(1 << 16, 8)[0]
-    a, b = plan.sub_bounds(start, end)[0]
-    codec = ctx.codec.for_results(MAX_GROUP)
     torch.manual_seed(0)
-    common = torch.randn(b - a)
+    common = torch.randn(n)
     made_up = "9" * 64
-    groups = {f"{i + 1}" * 64: (r, common + 0.5 * torch.randn(b - a)) for i, r in enumerate(reducers)}
+    groups = {f"{i + 1}" * 64: (r, common + 0.5 * torch.randn(n)) for i, r in enumerate(reducers)}
     signer = next(i for i in designees if i.peer_id == primary)
     groups[made_up] = (signer, -common)  # the designee itself, the update reversed
 
     def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
         r, values = groups[group]
-        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
-        body = bytes(codec.encode(values))
-        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
-                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
-                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
-                 "witness": witness}, body)
+        return w.sub_piece(r, group, values)
 
-    def asked(body: bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
-        return ({"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
-                 "result": hashlib.sha256(body).hexdigest(), "weight": sum(weights.values()), "groups": len(weights),
-                 "enc": MAX_GROUP, "manifest": [[bytes.fromhex(g), w] for g, w in sorted(weights.items())]}, body)
+    asked = w.asked
 
     async def go() -> None:
         try:
@@ -608,36 +612,18 @@ def test_a_witness_signs_no_mean_of_values_that_only_a_peer_it_caught_vouches_fo
     averaged both, and the honest witness countersigned (it checks whatever its own bans): I1 broke.
     Now a group whose every vouched member we caught is refused; the same mean of a peer we did not
     catch is signed."""
-    import dataclasses
-
-    from hivetrain.peer.averaging.behaviour import HONEST
-    from hivetrain.peer.averaging.statements import Where, sign_part
-
     designees = [Identity.generate() for _ in range(2)]
-    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4)
-    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
-                                      numel=1 << 16), witnessed=True)
-    primary, witness = plan.ranked(0, 0)[:2]
-    ids = {i.peer_id: i for i in designees}
-    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=witness, codec=spec.codec(), bans={primary},
-                          trust=Trust(), identity=ids[witness], behaviour=HONEST)
-    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
-    d.plan = d.mine = plan
+    w = _witnessing(designees)
+    d, ctx, primary, witness, n = w.d, w.ctx, w.primary, w.witness, w.numel
+    ctx.bans = {primary}
     d._seen([primary, witness])
-    start, end = shard_bounds(1 << 16, 8)[0]
-    a, b = plan.sub_bounds(start, end)[0]
-    codec = ctx.codec.for_results(MAX_GROUP)
+    ids = {i.peer_id: i for i in designees}
     torch.manual_seed(0)
-    groups = {"1" * 64: (ids[witness], torch.randn(b - a)), "2" * 64: (ids[primary], 1e3 * torch.randn(b - a))}
+    groups = {"1" * 64: (ids[witness], torch.randn(n)), "2" * 64: (ids[primary], 1e3 * torch.randn(n))}
 
     def sub_piece(group: str) -> tuple[dict[str, object], bytes]:
         r, values = groups[group]
-        word = {r.peer_id: ("0" * 32, sign_part(r, Where(RUN, 3, group, 0), "0" * 32))}
-        body = bytes(codec.encode(values))
-        return ({"type": "cross", "shard": 0, "sub": 0, "members": [r.peer_id], "weight": 1,
-                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
-                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([r.peer_id], word),
-                 "witness": witness}, body)
+        return w.sub_piece(r, group, values)
 
     async def go() -> None:
         try:
@@ -645,9 +631,7 @@ def test_a_witness_signs_no_mean_of_values_that_only_a_peer_it_caught_vouches_fo
                 assert (await d.accept(r.peer_id, *sub_piece(group)))[0] == Code.OK
             entries = d.work[(0, 0, 0)].entries
             mean, _, _, _ = d._mean(0, 0, [dataclasses.replace(e, banned=False) for e in entries.values()])
-            header = {"type": "cross_check", "run": RUN, "round": 3, "base": BASE, "group": ZERO, "shard": 0, "sub": 0,
-                      "result": hashlib.sha256(mean).hexdigest(), "weight": 2, "groups": 2, "enc": MAX_GROUP,
-                      "manifest": [[bytes.fromhex(g), 1] for g in sorted(groups)]}
+            header, _ = w.asked(mean, dict.fromkeys(groups, 1))
             code, why, sig = await d.check(primary, header, mean)
             assert code == Code.MALFORMED and "a peer we caught" in why and not sig, why
             assert d.refused[(0, 0)] == (primary, why)
