@@ -6,8 +6,12 @@ stopped by the caller first. Addresses live only inside the namespaces (10.78.x.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
+
+import pytest
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -68,3 +72,17 @@ class Net:
     def down(self) -> None:
         for ns in [*self.peers, self.bridge]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def namespaces(n: int) -> Iterator[Net]:
+    """``n`` peer namespaces on one bridge for a test (skipped with the reason where none can be
+    made), removed afterwards."""
+    reason = Net.available()
+    if reason:
+        pytest.skip(reason)
+    network = Net(n).up()
+    try:
+        yield network
+    finally:
+        network.down()

@@ -10,19 +10,13 @@ import pytest
 
 from hivetrain.peer.flags import DEFAULT_PORT
 
-from .netns import Net
+from .netns import Net, namespaces
 
 
 @pytest.fixture
 def net() -> Iterator[Net]:
-    reason = Net.available()
-    if reason:
-        pytest.skip(reason)
-    network = Net(2).up()
-    try:
+    with namespaces(2) as network:
         yield network
-    finally:
-        network.down()
 
 
 @pytest.mark.timeout(300)

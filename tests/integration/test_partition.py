@@ -8,19 +8,13 @@ from collections.abc import Iterator
 import pytest
 
 from .conftest import wait_until
-from .netns import Net
+from .netns import Net, namespaces
 
 
 @pytest.fixture
 def net() -> Iterator[Net]:
-    reason = Net.available()
-    if reason:
-        pytest.skip(reason)
-    network = Net(4).up()
-    try:
+    with namespaces(4) as network:
         yield network
-    finally:
-        network.down()
 
 
 _wait = wait_until
