@@ -105,7 +105,7 @@ EXAMPLE_HOST = "/ip4/0.0.0.0/tcp/31337"  # ... and of an address to listen on or
 
 
 def parse_maddrs(values: Sequence[str], what: str, need_peer_id: bool) -> list[Multiaddr]:
-    """Validates multiaddrs given by a user; raises BootstrapError with a one-line explanation."""
+    """Validates multiaddrs given by a user; raises AddressError with a one-line explanation."""
     out = []
     example = EXAMPLE_PEER if need_peer_id else EXAMPLE_HOST
     for value in values:

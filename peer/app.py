@@ -303,9 +303,10 @@ def run_peer(options: PeerOptions, choice: RunChoice, say: Say, wait_timeout: fl
     dht = DHT(DHTOptions(initial_peers=options.initial_peers, host_maddrs=tuple(hosts),
                          announce_maddrs=options.announce_maddrs, identity=identity,
                          timeout=options.dht_timeout)).start()
+    visible = dht.visible_maddrs()
     if not options.ephemeral and not options.announce_maddrs:  # announced addresses are the user's to manage
-        reach.remember(options.state_dir, hosts, dht.visible_maddrs())
-    say(reach.listening(hosts, dht.visible_maddrs()))
+        reach.remember(options.state_dir, hosts, visible)
+    say(reach.listening(hosts, visible))
     link = LibP2PLink(dht.p2p)
     board: Dashboard | None = None
     peer: Peer | None = None

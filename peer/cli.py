@@ -59,10 +59,8 @@ def _spec_flags(group: Any) -> None:
     from hivetrain.peer.config import flag_knobs, knob_default
 
     for f in flag_knobs():
-        shown = knob_default(f)
         flag = "--" + f.name.replace("_", "-")
-        text = f"{f.metadata['help']} (default{' ' if shown[0].isdigit() or shown in ('on', 'off') else ': '}{shown})"
-        text = text.replace("%", "%%")  # (argparse formats help with %)
+        text = f"{f.metadata['help']} (default: {knob_default(f)})".replace("%", "%%")  # (argparse formats help)
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:

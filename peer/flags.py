@@ -113,10 +113,25 @@ def listen_on(args: argparse.Namespace) -> list[str]:
     return [f"/ip4/0.0.0.0/tcp/{port}"]
 
 
-def check_start(args: argparse.Namespace) -> None:
-    """What can be refused before anything starts (torch, the p2p daemon, the DHT), each in one line."""
+def seconds(flag: str, value: float) -> None:
+    """A duration flag: a positive number of seconds, or one line."""
+    if not value > 0:
+        raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
+
+
+def own(**fields: Any) -> None:
+    """This peer's own flags, checked as PeerOptions will check them when the command builds it; an
+    error names the flag."""
     from hivetrain.peer.config import PeerOptions
 
+    try:
+        PeerOptions(**fields)
+    except ConfigError as e:
+        raise in_flags(e) from None
+
+
+def check_start(args: argparse.Namespace) -> None:
+    """What can be refused before anything starts (torch, the p2p daemon, the DHT), each in one line."""
     joined(args)
     if args.run is not None and not args.initial_peers:
         raise ConfigError("joining a run needs its join string (--join hivetrain://...: the 'join with:' line a peer "
@@ -126,14 +141,10 @@ def check_start(args: argparse.Namespace) -> None:
         from hivetrain.peer.dashboard import parse_bind
 
         parse_bind(args.dashboard, args.dashboard_public, args.dashboard_private)
-    if not args.wait_timeout > 0:
-        raise ConfigError(f"--wait-timeout must be a positive number of seconds, got {args.wait_timeout}")
-    try:  # the ranges of this peer's own flags (PeerOptions checks them again when cmd_start builds it)
-        PeerOptions(threads=args.threads, max_rounds=args.max_rounds, until_round=args.until_round,
-                    eval_batches=args.eval_batches, dht_timeout=args.dht_timeout, wait_for_peers=args.wait_for_peers,
-                    micro_batch=args.micro_batch, memory_limit_gib=args.memory_limit, device=args.device)
-    except ConfigError as e:
-        raise in_flags(e) from None
+    seconds("--wait-timeout", args.wait_timeout)
+    own(threads=args.threads, max_rounds=args.max_rounds, until_round=args.until_round, eval_batches=args.eval_batches,
+        dht_timeout=args.dht_timeout, wait_for_peers=args.wait_for_peers, micro_batch=args.micro_batch,
+        memory_limit_gib=args.memory_limit, device=args.device)
     if args.new_run is not None:
         check_spec(args.new_run, args.preset, {k: getattr(args, k) for k in SPEC_FLAGS}, bool(args.model))
     from hivetrain.dht.diagnose import check_ports
@@ -151,34 +162,22 @@ def check_start(args: argparse.Namespace) -> None:
 
 def check_demo(args: argparse.Namespace) -> None:
     """The demo's flags that its peers would refuse, refused before any peer is spawned."""
-    from hivetrain.peer.config import PeerOptions
-
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    try:
-        PeerOptions(eval_batches=args.eval_batches)
-    except ConfigError as e:
-        raise in_flags(e) from None
+    seconds("--timeout", args.timeout)
+    own(eval_batches=args.eval_batches)
     check_spec("demo", args.preset, {k: getattr(args, k) for k in (
         "sync_every", "batch_size", "aggregation", "overlap", "outer_lr", "outer_momentum", "inner_warmup")}, False)
 
 
 def check_status(args: argparse.Namespace) -> None:
     """``peer status``'s flags, before torch and hivemind are imported."""
-    from hivetrain.peer.config import PeerOptions
-
     joined(args)
     if not args.initial_peers:
         raise ConfigError("peer status needs the run's join string (--join hivetrain://...), or --initial-peers "
                           "MADDR: the address of any peer of the run, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
     if args.count < 0:
         raise ConfigError(f"--count must be 0 or more, got {args.count}")
-    if not args.interval > 0:
-        raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval}")
-    try:
-        PeerOptions(dht_timeout=args.dht_timeout)
-    except ConfigError as e:
-        raise in_flags(e) from None
+    seconds("--interval", args.interval)
+    own(dht_timeout=args.dht_timeout)
 
 
 def check_export(args: argparse.Namespace) -> None:

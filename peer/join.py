@@ -77,10 +77,10 @@ def rank(maddr: str) -> int:
 def pick(maddrs: Iterable[str], limit: int) -> list[str]:
     """At most ``limit`` of ``maddrs`` for a join line, best first (public, then private, loopback last
     and only when there is nothing else), without repeats; the daemon's order within each kind."""
-    unique = list(dict.fromkeys(maddrs))
-    ranked = sorted(unique, key=rank)
-    if any(rank(m) < 2 for m in ranked):
-        ranked = [m for m in ranked if rank(m) < 2]
+    ranks = {m: rank(m) for m in maddrs}  # (in order, without repeats)
+    ranked = sorted(ranks, key=ranks.__getitem__)
+    if any(r < 2 for r in ranks.values()):
+        ranked = [m for m in ranked if ranks[m] < 2]
     return ranked[:limit]
 
 

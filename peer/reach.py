@@ -105,15 +105,16 @@ def listening(hosts: Sequence[str], visible: Sequence[str]) -> str:
     TCP port (a port-0 host's from the daemon's ``visible`` addresses)."""
     ports = sorted({w[2] for w in map(tcp_endpoint, visible) if w is not None and w[2]})
     where = []
-    for proto, ip, port in (w for w in map(tcp_endpoint, hosts) if w is not None):
+    endpoints = [w for w in map(tcp_endpoint, hosts) if w is not None]
+    for proto, ip, port in endpoints:
         shown = port or (ports[0] if ports else 0)
-        if ip in ("0.0.0.0", "::"):
+        if ip in WILDCARDS:
             where.append(f"all {'IPv6 ' if proto == 'ip6' else ''}interfaces, TCP port {shown}")
         else:
             where.append(f"{ip} only, TCP port {shown}" + (" (only this machine can reach it)"
                                                            if ipaddress.ip_address(ip).is_loopback else ""))
-    default = any(w and w[1] in ("0.0.0.0", "::") for w in map(tcp_endpoint, hosts))
-    hint = "--port chooses another" if default else "--port N listens on all interfaces"
+    everywhere = any(ip in WILDCARDS for _, ip, _ in endpoints)
+    hint = "--port chooses another" if everywhere else "--port N listens on all interfaces"
     return f"listening on {'; '.join(where) or ', '.join(hosts)} ({hint})"
 
 

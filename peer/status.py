@@ -32,7 +32,7 @@ from hivetrain.peer import join
 from hivetrain.peer.averaging.ready import level
 from hivetrain.peer.config import RunSpec
 from hivetrain.peer.dashboard import REFRESH, Dashboard, RunWatcher
-from hivetrain.peer.errors import ConfigError, PeerError
+from hivetrain.peer.errors import PeerError
 from hivetrain.peer.runspec import fetch_spec
 from hivetrain.peer.state.heartbeats import heartbeat_level, heartbeat_ttl
 
@@ -217,12 +217,8 @@ def watch(read: Callable[[], dict[str, Any]], as_json: bool, interval: float, co
 def run_status(run_key: str, initial_peers: tuple[str, ...], as_json: bool, interval: float, count: int,
                dht_timeout: float, dashboard: tuple[str, int] | None = None, public: bool = False) -> int:
     """``peer status``: joins the DHT with a fresh identity (it is nobody), reads, prints; with
-    ``dashboard`` (host, port), also serves the dashboard (peer/dashboard.py) while it runs."""
-    if not initial_peers:
-        raise ConfigError("peer status needs --initial-peers MADDR: the address of any peer of the run, "
-                          "e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...")
-    if not interval > 0:
-        raise ConfigError(f"--interval must be a positive number of seconds, got {interval}")
+    ``dashboard`` (host, port), also serves the dashboard (peer/dashboard.py) while it runs. The
+    flags were checked before (peer/flags.py ``check_status``)."""
     dht = DHT(DHTOptions(initial_peers=initial_peers, identity=Identity.generate(), timeout=dht_timeout)).start()
     try:
         spec, _ = fetch_spec(dht, run_key, dht_timeout)
