@@ -42,6 +42,7 @@ T = TypeVar("T")
 SESSION_KINDS = ("part", "pledge", "relay", "result", "audit", "applied", "evidence_req", "statements_req", "cross_out")
 MAX_COMPANIONS = 4096  # peers recorded as sharing a round's means with us (trust), at most
 MAX_AWAITED = 16  # peers whose end of a round we wait to see before fork choice (RoundFailed.awaiting)
+MAX_RANK_DOUBLINGS = 8  # rounds without a population after which the anchor rank of round 0 stops doubling
 SETTLE_MARGIN = 3.0  # s past our all-reduce deadline for a member that decided later to publish its end
 
 
@@ -154,6 +155,19 @@ class P2PAverager:
         """A base state's population, or, for one without (round 0's), the run's ``expected_peers``."""
         return population or self.ctx.spec.expected_peers
 
+    def anchor_rank(self, round_: int, population: int, level: int) -> int:
+        """Which ready record anchors the round's cross stage (cross.anchor_rank): from the base state's
+        population. A base without one (round 0's, and the void rounds on top of it: a void keeps its
+        parent's population) takes a target group's, as the least a run starts with, doubled for each
+        round since the start. Else two identities whose ready records come first in a run of 8 with
+        a target of 4 were every designee of round 0, refused the role, voided it for everyone, and so
+        kept the population unknown and the role theirs, round after round (search seeds 5,000,092
+        and 5,000,161: 0.17 and 0.13 of honest peer-rounds completed)."""
+        known = self.base_population(population)
+        if known:
+            return anchor_rank(known, level)
+        return anchor_rank(self.ctx.spec.target_group_size, level) << min(max(round_, 0), MAX_RANK_DOUBLINGS)
+
     def level(self, population: int) -> int:
         """The round's ready buckets (2^level) at a base state of ``population`` (ready.level); one
         without the cross-group stage, whose groups need not agree across buckets."""
@@ -190,8 +204,7 @@ class P2PAverager:
         self._enter(round_)
         level_ = self.level(population)
         mm = self.matchmaking[round_] = Matchmaking(ctx, self.board, round_, base, level_)
-        # (round 0's population is nobody's to know: a target group's, as the least a run starts with)
-        mm.anchor_rank = anchor_rank(self.base_population(population) or ctx.spec.target_group_size, level_)
+        mm.anchor_rank = self.anchor_rank(round_, population, level_)
         desk = self._desk(round_, base, level_, mm.anchor_rank) if ctx.spec.cross_groups else None
         mm.outlive = self.announced.get(round_, 0.0)
         previous = self.sessions.get(round_ - 1)
@@ -451,7 +464,7 @@ class P2PAverager:
         mm = self.matchmaking.get(round_)
         members, excluded = header["members"], header["excluded"]
         request = Report(frozenset(members), frozenset(excluded), decided=header["decided"], closed=header["closed"],
-                         up=header["up"])
+                         up=header["up"], derived=header["derived"])
         if mm is None or mm.view.base != base:
             reply = Report(frozenset(), frozenset(), decided=round_ < self.current_round, ready=False,
                            closed=self.ctx.closed)
@@ -460,7 +473,7 @@ class P2PAverager:
         assert len(reply.members) <= MAX_GROUP and len(reply.excluded) <= MAX_GROUP
         return self.ctx.header("view_reply", round_, base, members=sorted(reply.members),
                                excluded=sorted(reply.excluded), decided=reply.decided, ready=reply.ready,
-                               closed=reply.closed, up=reply.up), b""
+                               closed=reply.closed, up=reply.up, derived=reply.derived), b""
 
     def _late(self, sender: str, header: dict[str, Any]) -> Reply:
         """A message of an earlier round. The same part again is a retry; another from a member of our

@@ -11,10 +11,16 @@
    (``_ping_board``): a record whose peer gives no sign of life within VIEW_TIMEOUT (an identity
    that only published a record, or a peer that died since) is left out of the partition, so that
    free records cannot split the live peers into groups they never fill. Every honest peer pings
-   the same records and finds the same ones silent.
+   the same records and finds the same ones silent. What we answer from the window counts as no
+   agreement with derived groups (``View.derived``): a peer that derived its group waits for ours.
+   (Nobody's request closes our window: one identity's early part closed every honest window at
+   once, and each derived a partition of a different board, review N4.)
 2. Agreement: ask every member of our effective view for its view, first-hand, and fold the
    answers in (views.fold) until every member answers with exactly our view, or one reports a
-   decision we can accept. Peers others name are asked before they can count.
+   decision we can accept. Peers others name are asked before they can count. With derived groups
+   an answer counts only from a member that derived its group, and until we decide we derive ours
+   again whenever our board grew: peers that read the board a moment apart converge on one board
+   instead of deciding on what one of them held before a late record reached it.
 
 Runs on the link's loop; one ``Matchmaking`` per round.
 """
@@ -86,6 +92,7 @@ class Matchmaking:
         self.ready_here: set[str] = set()  # ready at our base on our board (signed records): the partition's input
         self.alive: set[str] = set()  # peers that showed us they are here this round (a view request, a ping's answer)
         self.silent: set[str] = set()  # ready records whose peers did not answer our ping: never in the partition
+        self.derived_from: frozenset[str] = frozenset()  # the board our group was last derived from
         self.ready_at = clock.wall()  # unix time we were ready (our record's ``eta``)
         self.waited = 0.0  # seconds the window stayed open
         self.outlive = 0.0  # unix time our announcement of this round expires: our ready record must outlive it
@@ -131,8 +138,7 @@ class Matchmaking:
             self.waited = clock.now() - opened
             if spec.cross_groups and not self.view.decided:  # one model per round: groups are derived
                 await self._read_board()
-                await self._ping_board()
-                derive_group(self.view, self.ready_here, spec.target_group_size)
+                await self._derive()
             group = await self._agree(clock.now() + max(AGREE_MIN, spec.matchmaking_timeout / 2))
             if self.view.me_closed and len(group) > 1:
                 await self._tell_decision(group)
@@ -161,7 +167,7 @@ class Matchmaking:
         shows in the all-reduce (a member that decided otherwise refuses our part)."""
         caps = self.caps()
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(group), excluded=[],
-                                 closed=True, decided=True, up=self.view.me_up)
+                                 closed=True, decided=True, up=self.view.me_up, derived=True)
 
         async def tell(peer: str) -> None:
             try:
@@ -264,6 +270,8 @@ class Matchmaking:
         while view.decided is None:
             if clock.now() > end:
                 raise RoundFailed(f"no agreement on the group of round {view.round}")
+            if view.allowed is not None and self.ready_here != self.derived_from:
+                await self._derive()  # our board grew since: boards read at other moments converge
             await self._observe(view.effective() | hints)
             caps = self.caps()
             asked = settle(view, caps) - {view.me}
@@ -303,6 +311,12 @@ class Matchmaking:
         view.strikes.clear()
         return True
 
+    async def _derive(self) -> None:
+        """Derives our group from the board as we read it now (its silent records left out)."""
+        await self._ping_board()
+        self.derived_from = frozenset(self.ready_here)
+        derive_group(self.view, self.ready_here, self.ctx.spec.target_group_size)
+
     async def _ping_board(self) -> None:
         """Pings every peer ready at our base on our board that we can dial and that has not shown
         itself this round; those that give no sign of life (any reply counts, BUSY included) are
@@ -330,12 +344,12 @@ class Matchmaking:
         mine = outgoing(self.view, caps)
         header = self.ctx.header("view", self.view.round, self.view.base, members=sorted(mine.members),
                                  excluded=sorted(mine.excluded), closed=self.view.me_closed, decided=False,
-                                 up=self.view.me_up)
+                                 up=self.view.me_up, derived=mine.derived)
         reply = await self._request(peer, header, busy=True)
         if reply is None or reply["type"] != "view_reply" or reply["base"] != self.view.base:
             return _Ask(peer, None)
         return _Ask(peer, Report(frozenset(reply["members"]), frozenset(reply["excluded"]), reply["decided"],
-                                 reply["ready"], reply["closed"], reply["up"]))
+                                 reply["ready"], reply["closed"], reply["up"], reply["derived"]))
 
     async def _request(self, peer: str, header: dict[str, Any], busy: bool) -> dict[str, Any] | None:
         """One of matchmaking's requests; its reply, or None if ``peer`` gave none. Asking again is

@@ -50,6 +50,7 @@ MAX_MARKS = 4096  # peers whose reachability and uplink claims a view keeps (a d
 MAX_HINTS = 2 * MAX_GROUP  # peers named by others that we ask per round; names beyond are ignored
 STRIKES = 3  # sweeps a member may disagree with a view of ours that stands still, before we act ...
 PATIENCE = 1.5  # ... and seconds: a member slowed by a busy machine must not look like a liar
+NO_ANSWER = "did not answer our view request"
 SILENCE = 6.0  # seconds a closed member may take to ask us at all (it may still be waiting for others)
 
 
@@ -63,6 +64,9 @@ class Report:
     ready: bool = True  # False: it is not forming this round's group from this base
     closed: bool = False  # nobody can dial the reporter
     up: int = 0  # the reporter's uplink claim for the round, kB/s (0: unknown)
+    # the reporter derived its group from its board (one model per round): only then are its members
+    # a view it stands by; before, they are what its window holds so far (a decision implies it)
+    derived: bool = True
 
     def effective(self) -> frozenset[str]:
         return self.members - self.excluded
@@ -160,21 +164,25 @@ def priority(round_: int, base: str, weight: Callable[[str], float]) -> Priority
 
 def partition(peers: Collection[str], round_: int, base: str, target: int) -> list[frozenset[str]]:
     """The round's groups, derived by every peer from the same board: the ready peers sorted by
-    their hash rank (nobody chooses it), dealt round robin into round(n / target) groups (at least
-    one), so the groups' sizes differ by one at most. One record more or less on a peer's board
-    changes the partition it derives only when the number of groups changes."""
+    their hash rank (nobody chooses it), cut into round(n / target) runs of consecutive ranks (at
+    least one), so the groups' sizes differ by one at most. One record more or less on a peer's
+    board moves at most one member across each cut while the number of groups stays: a group differs
+    by that record and one member at each of its two cuts at most, where dealing round robin moved
+    most peers to another group (honest peers that read the board a moment apart voided or forked)."""
     ordered = sorted(set(peers), key=lambda p: rank(round_, base, p))
     count = max(1, round(len(ordered) / max(1, target)))
-    return [frozenset(ordered[i::count]) for i in range(count)]
+    cuts = [len(ordered) * i // count for i in range(count + 1)]
+    return [frozenset(ordered[cuts[i]:cuts[i + 1]]) for i in range(count)]
 
 
 def derive_group(view: View, ready: Collection[str], target: int) -> frozenset[str]:
     """Restricts ``view`` to our group of the partition of ``ready`` (the peers ready at our base on
-    our board, first-hand: signed records) and us; returns it."""
+    our board, first-hand: signed records) and us; returns it. Called again while the group is not
+    decided, when our board grew (matchmaking.py): boards read at different moments converge."""
     ours = next(g for g in partition({*ready, view.me}, view.round, view.base, target) if view.me in g)
     view.allowed = ours
     view.derived = True
-    view.left_out = frozenset(sorted(view.candidates - ours)[: 4 * MAX_GROUP])
+    view.left_out = frozenset(sorted((view.candidates | view.left_out) - ours - {view.me})[: 4 * MAX_GROUP])
     view.candidates = (view.candidates | ours) & ours - {view.me}
     return ours
 
@@ -271,7 +279,7 @@ def outgoing(view: View, caps: Caps) -> Report:
     effective = settle(view, caps)
     interest = (view.candidates | set(view.reports)) & (set(view.excluded) | set(view.capped))
     return Report(effective, frozenset(sorted(interest, key=caps.priority)[:MAX_GROUP]), closed=view.me_closed,
-                  up=view.me_up)
+                  up=view.me_up, derived=view.derived or caps.board is None)
 
 
 def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None], caps: Caps, now: float) -> Step:
@@ -291,7 +299,7 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
     known = view.candidates | set(view.excluded) | view.tried | {view.me}
     for peer, reply in replies.items():
         if reply is None:
-            view.exclude(peer, "did not answer our view request")
+            view.exclude(peer, NO_ANSWER)
             continue
         view.reports[peer] = reply
         view.mark(peer, reply.closed, reply.up)
@@ -304,7 +312,12 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             # when all of us answered with that view, and ours only shrinks after (an attacker
             # dealt into our group would otherwise answer "decided: {you, me}": review N1)
             group = reply.members
-            fits = group == view.effective() or (view.allowed is None and group <= view.effective())
+            ours = view.effective()
+            # ... or our view and members of our derived group that stopped answering us after the others
+            # decided with them: we void with the others at the all-reduce, not complete a round alone
+            gone = {p for p, why in view.excluded.items() if why == NO_ANSWER}
+            late = view.allowed is not None and ours < group <= ours | (gone & view.allowed)
+            fits = group == ours or (view.allowed is None and group <= ours) or late
             if fits and caps.accepts(group):
                 view.decided = tuple(sorted(group))
                 return Step(view.decided)
@@ -322,14 +335,21 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
     view.tried.update(hints)
     members = settle(view, caps)
     everyone = asked | {view.me}
-    disagree = [p for p, r in replies.items() if p in members and (r is None or r.decided or r.effective() != everyone)]
+    disagree = [p for p, r in replies.items()
+                if p in members and (r is None or r.decided or r.effective() != everyone or not r.derived)]
+    # members still in their window (they have not derived their group: what they answer is not yet a
+    # view they stand by; a member that answered with our view and derived another one after had
+    # us decide a group it then refused, and a pair of it and an attacker forked off: search seed 5,000,206)
+    underived = {p for p, r in replies.items() if p in members and r is not None and not r.decided and not r.derived}
     quiet: set[str] = set()  # closed members that never asked us
     if not view.me_closed:  # closed members are not asked: their last request must match, like an answer
         for p in sorted((asked & members) - view.askable(asked)):
-            if (r := view.reports.get(p)) is None or r.effective() != everyone:
+            if (r := view.reports.get(p)) is None or r.effective() != everyone or not r.derived:
                 disagree.append(p)
                 if r is None:
                     quiet.add(p)
+                elif not r.derived:
+                    underived.add(p)
     # A closed peer cannot hear the other closed members: if there are any, it adopts the decision
     # of an open member, which heard them all first-hand (above); it never decides on its own.
     vouched = not view.me_closed or members <= view.askable(members) | {view.me}
@@ -342,12 +362,20 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
     for peer in disagree:
         sweeps, since = view.strikes.get(peer, (0, now))
         view.strikes[peer] = (sweeps + 1, since)
-    ripe = [p for p in disagree if view.strikes[p][0] >= STRIKES
-            and now - view.strikes[p][1] >= (SILENCE if p in quiet else PATIENCE)]
+    # A member whose view holds ours and more (peers our caps or bans leave out, that it has not caught)
+    # resolves it on its side by leaving those out: it gets the time to, before we leave it out instead
+    wider = {p for p in disagree if (r := view.reports.get(p)) is not None and not r.decided and r.effective() > everyone}
+
+    def patience(p: str) -> float:
+        return SILENCE if p in quiet or p in underived else 2 * PATIENCE if p in wider else PATIENCE
+
+    ripe = [p for p in disagree if view.strikes[p][0] >= STRIKES and now - view.strikes[p][1] >= patience(p)]
     for p in ripe:
         if p in quiet:  # crashed, or cannot reach us: like a peer that does not answer
             view.exclude(p, f"a closed member that did not ask us for our view in {SILENCE:g} s")
-    ripe = [p for p in ripe if p not in quiet]
+        elif p in underived:  # an honest window lasts matchmaking_timeout at most (5 s by default)
+            view.exclude(p, f"did not derive its group in {SILENCE:g} s")
+    ripe = [p for p in ripe if p not in quiet and p not in underived]
     if ripe:
         resolve_disagreement(view, ripe, caps.priority)
     if ripe or len(view.excluded) > excluded_before:
@@ -370,7 +398,8 @@ def answer(view: View | None, sender: str, request: Report, caps: Caps | None) -
         # member that derived before us tells us again by asking (its last request is its report),
         # and an identity's "decided: {you, me}" in our window no longer skips the partition
         # (it made a stock-hivemind outsider a member of an honest group: review N1, again)
-        request = Report(request.members, request.excluded, decided=False, closed=request.closed, up=request.up)
+        request = Report(request.members, request.excluded, decided=False, closed=request.closed, up=request.up,
+                         derived=request.derived)
     if caps.banned(sender):
         view.exclude(sender, "banned: we caught it misbehaving")
     elif view.add(sender) or sender in view.candidates:  # the candidate cap bounds the reports we keep too

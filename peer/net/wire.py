@@ -159,10 +159,12 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # matchmaking: the sender's view of round ``round``'s group (members it accepts, peers it will not group with);
     # closed: nobody can dial the sender (an outbound-only member); decided: members is the group it decided
     # up: the sender's uplink claim for the round, kB/s (0: unknown; peer/averaging/rates.py)
-    "view": {**_COMMON, "members": _peers, "excluded": _peers, "closed": _bool, "decided": _bool, "up": _UP},
+    # derived: the sender derived its group from its board (false: members is what its window holds so far)
+    "view": {**_COMMON, "members": _peers, "excluded": _peers, "closed": _bool, "decided": _bool, "up": _UP,
+             "derived": _bool},
     # ready: whether the replier is forming that round's group from that base; decided: members is its group
     "view_reply": {**_COMMON, "members": _peers, "excluded": _peers, "decided": _bool, "ready": _bool,
-                   "closed": _bool, "up": _UP},
+                   "closed": _bool, "up": _UP, "derived": _bool},
     # before a round's partition: a sign of life, answered with an ack by any peer of the run (nothing else)
     "ping": _COMMON,
     # reduce-scatter: the sender's encoded slice of shard ``shard`` (to its reducer and its auditor); sig: its

@@ -149,7 +149,7 @@ async def heartbeats(swarm: Swarm, spy: SimPeer) -> list[dict[str, Any]]:
 def view_header(swarm: Swarm, round_: int, base: str, members: list[str], decided: bool = False,
                 closed: bool = False) -> dict[str, Any]:
     return {"type": "view", "run": run_hash(swarm), "round": round_, "base": base, "members": sorted(members),
-            "excluded": [], "closed": closed, "decided": decided, "up": 0}
+            "excluded": [], "closed": closed, "decided": decided, "up": 0, "derived": True}
 
 
 async def quietly(work: Awaitable[Any]) -> Any:

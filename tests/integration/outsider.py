@@ -188,13 +188,13 @@ async def main(maddr: str, run_key: str, spec_hash: str, peers: list[str], secon
                                digest=os.urandom(16).hex(), sig="")),
                     "view naming 64 made-up members": (lambda h: PREFIX.pack(MAGIC, len(h), 0) + h)(
                         header("view", spec_hash, current, base, members=[Key().peer_id for _ in range(64)],
-                               excluded=[], closed=False, decided=False, up=0)),
+                               excluded=[], closed=False, decided=False, up=0, derived=True)),
                 }
                 for name, data in tries.items():
                     log["frames"].setdefault(name, []).append(await frame(p2p, peer, protocol, data))
                 # review N1: one unsolicited view request "decided: {you, me}" (as if we were closed)
                 h = header("view", spec_hash, current, base, members=sorted([peer, me]), excluded=[], closed=True,
-                           decided=True, up=0)
+                           decided=True, up=0, derived=True)
                 reply = await exchange(p2p, peer, protocol, PREFIX.pack(MAGIC, len(h), 0) + h)
                 log["decided"].append(reply if isinstance(reply, str) else
                                       {k: reply.get(k) for k in ("type", "decided", "members", "code")})

@@ -196,7 +196,7 @@ def test_three_hundred_fake_ready_records_and_a_fake_member_list_do_not_stop_the
         def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Any:
             members = sorted({f.peer_id for f in fakes[:61]} | {liar.identity.peer_id, sender})
             return liar.header("view_reply", header["round"], header["base"], members=members, excluded=[],
-                               decided=False, ready=True, closed=False, up=0), b""
+                               decided=False, ready=True, closed=False, up=0, derived=True), b""
 
         def refusal(self, header: dict[str, Any], code: Code, why: str) -> Any:
             return liar.header("ack", 0, code=int(code), reason=why), b""

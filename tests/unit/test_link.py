@@ -293,7 +293,7 @@ def test_done_ticket_answers_body_less_messages() -> None:
         net = MemoryNetwork()
         a, b = net.link(A), net.link(B)
         await b.serve(PROTO, Server(Echo(size=0)))
-        return await request(a, B, PROTO, header("view", members=[], excluded=[], closed=False, decided=False, up=0), b"", timeout=2)
+        return await request(a, B, PROTO, header("view", members=[], excluded=[], closed=False, decided=False, up=0, derived=True), b"", timeout=2)
 
     reply, _ = run(go())
     assert reply["reason"] == A  # the sender the service saw is the link's authenticated peer id

@@ -16,6 +16,7 @@ from hivetrain.peer.averaging.views import (
     derive_group,
     fold,
     outgoing,
+    partition,
     priority,
     settle,
 )
@@ -212,6 +213,85 @@ def test_in_a_derived_group_only_a_decision_of_our_whole_view_is_adopted() -> No
     step = fold(view, frozenset({"a", "b"}), {"a": Report(frozenset({"me", "a", "b"}), frozenset(), True)},
                 caps_for("me"), 0.0)
     assert step.decided == ("a", "b", "me")
+
+
+def test_an_answer_from_a_members_window_is_no_agreement_until_it_derived() -> None:
+    """Search seed 5,000,206: a restarted peer, its window still open, answered our view request with
+    what its window held (exactly our view), and we decided on it; it then derived a group with a
+    record that reached it later, refused us, and it and an attacker forked off as a pair. Now a
+    member's answer counts only once it derived its group from its board."""
+    members = {"me", "a", "b"}
+    board = (members - {"me"}).__contains__
+    caps = Caps(me="me", priority=priority(ROUND, BASE, lambda p: 0.0), newcomer=lambda p: False, prefixes={},
+                max_per_prefix=0, banned=lambda p: False, board=board)
+    view = View(ROUND, BASE, "me", members - {"me"})
+    derive_group(view, members, target=4)
+    assert outgoing(view, caps).derived
+    same = frozenset(members)
+    step = fold(view, frozenset({"a", "b"}), {"a": Report(same, frozenset()),
+                                             "b": Report(same, frozenset(), derived=False)}, caps, 0.0)
+    assert step.decided is None
+    # a member that stays in its window while we ask is left out after SILENCE, not PATIENCE
+    for sweep in range(1, 12):
+        fold(view, frozenset({"a", "b"}), {"a": Report(same, frozenset()),
+                                           "b": Report(same, frozenset(), derived=False)}, caps, float(sweep))
+        assert ("b" in view.excluded) == (sweep >= 6), (sweep, view.excluded)
+    assert "derive" in view.excluded["b"]
+    # and the window's own answer says it has not derived
+    window = View(ROUND, BASE, "a", {"me", "b"})
+    assert not answer(window, "me", outgoing(view, caps), caps).derived
+
+
+def test_boards_that_differ_by_a_record_derive_groups_that_differ_by_a_few_members() -> None:
+    """Dealt round robin, one record more on a peer's board moved most peers to another group, so
+    honest peers that read the board a moment apart derived different partitions and voided or
+    forked. Groups are runs of consecutive ranks: a group differs by the record and by one member at
+    each of its two cuts at most."""
+    for n in range(6, 60):
+        for target in (4, 8):
+            board = ids("p", n)
+            before = partition(board, ROUND, BASE, target)
+            assert max(map(len, before)) - min(map(len, before)) <= 1
+            for late in ids("late", 8):  # (at ranks all over the order)
+                after = partition([*board, late], ROUND, BASE, target)
+                if len(before) == len(after):
+                    for group in before:
+                        assert min(len(group ^ other) for other in after) <= 3, (n, target, late, group)
+
+
+def test_a_member_whose_view_holds_ours_and_more_gets_the_time_to_leave_out_the_rest() -> None:
+    """Members that banned a peer and one that has not caught it yet derive the same group: the
+    others must not leave out the honest one before it leaves out the peer they banned."""
+    view = View(ROUND, BASE, "me", {"a", "b"})
+    ours, wider = frozenset({"me", "a", "b"}), frozenset({"me", "a", "b", "x"})
+    for sweep in range(5):
+        fold(view, frozenset({"a", "b"}), {"a": Report(ours, frozenset()), "b": Report(wider, frozenset())},
+             caps_for("me"), sweep * 0.6)
+    assert "b" not in view.excluded  # 2.4 s: past PATIENCE, within twice it
+    fold(view, frozenset({"a", "b"}), {"a": Report(ours, frozenset()), "b": Report(ours, frozenset())}, caps_for("me"), 3.0)
+    assert view.decided == ("a", "b", "me")
+
+
+def test_a_decision_with_a_member_that_stopped_answering_us_is_ours_too() -> None:
+    """A member killed right after it decided with the others (and before our sweep reached it) left
+    us alone: the others' decision named it, our view no longer did, and we completed a round of our
+    own apart from them (a fork). Their decision is adopted when what it adds to our view are members
+    of our derived group that did not answer us: we void with them at the all-reduce instead."""
+    members = {"me", "a", "b", "dead"}
+    view = View(ROUND, BASE, "me", members - {"me"})
+    derive_group(view, members, target=4)
+    fold(view, frozenset({"a", "b", "dead"}), {"a": Report(frozenset(members), frozenset()), "dead": None,
+                                               "b": Report(frozenset(members), frozenset())}, caps_for("me"), 0.0)
+    assert view.decided is None and "dead" in view.excluded
+    step = fold(view, frozenset({"a", "b"}), {"a": Report(frozenset(members), frozenset(), decided=True)},
+                caps_for("me"), 1.0)
+    assert step.decided == tuple(sorted(members))
+    # never a member we left out for another reason, nor one outside our derived group
+    other = View(ROUND, BASE, "me", members - {"me"})
+    derive_group(other, members, target=4)
+    other.exclude("dead", "its view and ours did not converge")
+    fold(other, frozenset({"a", "b"}), {"a": Report(frozenset(members), frozenset(), decided=True)}, caps_for("me"), 0.0)
+    assert other.decided is None
 
 
 def test_a_decision_without_us_excludes_its_reporter() -> None:

@@ -30,9 +30,10 @@ MAX_BODY = 1 << 16
 def _header(kind: str = "part", **over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {"type": kind, "run": HEX, "round": 3, "base": HEX}
     extra: dict[str, dict[str, Any]] = {
-        "view": {"members": [PEER, PEER2], "excluded": [], "closed": False, "decided": False, "up": 1200},
+        "view": {"members": [PEER, PEER2], "excluded": [], "closed": False, "decided": False, "up": 1200,
+                 "derived": True},
         "view_reply": {"members": [PEER], "excluded": [PEER2], "decided": False, "ready": True, "closed": True,
-                       "up": 0},
+                       "up": 0, "derived": False},
         "part": {"group": HEX, "shard": 1, "digest": HEX[:32], "sig": ""},
         "result": {"group": HEX, "shard": 0, "result": HEX, "excluded": [], "parts": [HEX[:32], ""],
                    "probation": [PEER2], "sig": HEX * 2, "sigs": [bytes(64), b""]},
