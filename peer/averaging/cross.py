@@ -124,6 +124,7 @@ MAX_VOUCH_MEMO = 4096  # (group, shard, vouch) whose checked members a desk keep
 CHOICE_SPREAD = 2.0  # x the groups' spread: how far a designee's mean may lie from its witness's own (``_far``;
 # 1.0 refused honest means whose designee and witness had banned differently)
 WITNESS_SLACK = 64  # a witness's mean may differ from the designee's by one int8 step in one value in this many
+ETA_SKEW = 5.0  # s: a ready record claiming to have been ready later than this past our clock is not read
 CAUGHT_SHARE = 3  # a witness refuses a mean where groups of peers it caught hold 1/CAUGHT_SHARE of the weight or more
 
 
@@ -267,6 +268,15 @@ def anchor_rank(population: int, level: int = 0) -> int:
     return (population >> level) // 3 + 1
 
 
+def believable(records: Sequence[Ready], now: float) -> list[Ready]:
+    """The records a plan reads: a ready record (``done``) whose ``eta`` lies past ``now`` (unix
+    time) by more than ETA_SKEW claims to be ready in the future, which nobody is; it would be the
+    anchor whenever the anchor rank exceeds the records read (a run smaller than its population, or a
+    base whose rounds voided: ``Averager.anchor_rank``), and its plan would have the round wait for it
+    and name only peers that claimed the same time. Announcements (not ``done``) are kept."""
+    return [r for r in records if not r.done or r.eta <= now + ETA_SKEW]
+
+
 def anchor(records: Sequence[Ready], rank: int = 1) -> float | None:
     """The round's anchor time from the bucket's ready records at our base: the ``rank``-th earliest
     ``eta`` (the latest when fewer are ready: a run smaller than its state's population); None if
@@ -319,7 +329,8 @@ async def read_plan(board: ReadyBoard, round_: int, base: str, run: str, units_:
     top = top_bucket(round_, base, level)
     for _ in range(100):
         wanted = sorted({ours, top})
-        records = [r for r in await board.read(round_, level, wanted) if own is None or r.peer_id != own.peer_id]
+        records = [r for r in believable(await board.read(round_, level, wanted), clock.wall())
+                   if own is None or r.peer_id != own.peer_id]
         records += [own] if own is not None else []
         by_bucket: dict[int, list[Ready]] = {b: [] for b in wanted}
         for r in records:
@@ -530,7 +541,7 @@ class Desk:
     async def _read_buckets(self) -> dict[int, Plan]:
         assert self.plan is not None
         by_bucket: dict[int, list[Ready]] = {}
-        for r in await self.board.read(self.round, self.level):
+        for r in believable(await self.board.read(self.round, self.level), clock.wall()):
             by_bucket.setdefault(bucket_of(self.round, r.peer_id, self.level), []).append(r)
         return {b: dataclasses.replace(derive(rs, self.round, self.base, self.ctx.run, self.units_, self.ctx.numel,
                                               self.timing[0], self.rank), width=len(self.plan.designees))

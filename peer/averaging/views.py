@@ -315,8 +315,8 @@ def fold(view: View, asked: frozenset[str], replies: Mapping[str, Report | None]
             ours = view.effective()
             # ... or our view and members of our derived group that stopped answering us after the others
             # decided with them: we void with the others at the all-reduce, not complete a round alone
-            gone = {p for p, why in view.excluded.items() if why == NO_ANSWER}
-            late = view.allowed is not None and ours < group <= ours | (gone & view.allowed)
+            silent = {p for p, why in view.excluded.items() if why == NO_ANSWER}
+            late = view.allowed is not None and ours < group <= ours | (silent & view.allowed)
             fits = group == ours or (view.allowed is None and group <= ours) or late
             if fits and caps.accepts(group):
                 view.decided = tuple(sorted(group))

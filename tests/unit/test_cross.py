@@ -77,6 +77,20 @@ def test_identities_ready_early_neither_set_the_rounds_clock_nor_are_its_designe
     assert anchor([], 3) is None
 
 
+def test_a_record_that_claims_to_be_ready_in_the_future_anchors_no_plan() -> None:
+    """When the anchor rank exceeds the records read (a run smaller than its population, or a base
+    whose rounds voided, whose rank doubles), the latest record anchors: one identity claiming to
+    be ready an hour from now made the round wait for that hour and named only itself. A plan
+    reads no ready record past the reader's clock by more than ETA_SKEW."""
+    board, _ = board_of(0, 4, clock.wall() - 30.0)
+    liar = Identity.generate()
+    asyncio.run(board.publish(liar, Ready(liar.peer_id, 3, BASE, RUN, done=True, eta=clock.wall() + 3600.0), 60.0))
+    assert len(asyncio.run(board.read(3))) == 5
+    mine, up = asyncio.run(asyncio.wait_for(read_plan(board, 3, BASE, RUN, 8, 1 << 20, rank=8), 10.0))
+    assert liar.peer_id not in up.ready and liar.peer_id not in up.designees and up.t0 < clock.wall()
+    assert len(up.ready) == 4
+
+
 def test_a_faster_designee_is_ranked_first_more_often() -> None:
     t0 = 1000.0
     records = [ready(f"p{i}", t0, up=4000 if i == 0 else 1000) for i in range(8)]
