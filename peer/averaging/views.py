@@ -20,8 +20,10 @@ disagrees itself, then to the lower priority (earned trust first, then a hash ra
 So a stranger that excludes an established member only removes itself, and so does a peer that
 answers with a view it never converges on. A decision another peer reports is adopted only if it
 contains us, lies inside our own effective view and passes our caps. With derived groups (one model
-per round) only peers ready at our base on our board are members, and nothing is decided before we
-derived our group from the board.
+per round) only peers ready at our base on our board are members, nothing is decided before we
+derived our group from the board, an answer counts only from a member that derived its own
+(``Report.derived``), and a decision is exactly our view, or our view and members of our derived
+group that stopped answering us (they decided with the others; we void with them).
 
 *Closed* peers (nobody can dial them: behind a NAT, peer/reach.py) are outbound-only members.
 Nobody asks a closed peer for its view; it asks the others. So an open peer takes a closed
