@@ -166,7 +166,7 @@ class P2PAverager:
         known = self.base_population(population)
         if known:
             return anchor_rank(known, level)
-        return anchor_rank(self.ctx.spec.target_group_size, level) << min(max(round_, 0), MAX_RANK_DOUBLINGS)
+        return anchor_rank(self.ctx.spec.target_group_size, level) << min(round_, MAX_RANK_DOUBLINGS)
 
     def level(self, population: int) -> int:
         """The round's ready buckets (2^level) at a base state of ``population`` (ready.level); one
