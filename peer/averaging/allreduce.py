@@ -48,7 +48,11 @@ from hivetrain.peer.averaging.cross import (
     VOID,
     Desk,
     fallen_back,
+    proof_nbytes,
+    proven,
+    proves,
     round_id,
+    sub_message,
     vouch,
 )
 from hivetrain.peer.averaging.delivery import RETRY_PAUSE, Outbox, deliver, send_all
@@ -102,6 +106,7 @@ class AllReduceRunner:
         self.ctx, self.session = ctx, session
         self.desk = desk  # our designee's desk of this round: the plan, and the means we compute (cross.py)
         self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
+        self.disproven = 0  # means of our sub-pieces that their proofs did not bear out (``_unproven``)
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
         self._vouches: dict[int, bytes] = {}  # shard -> our group's ``vouch`` of it (the same for every sub-piece)
@@ -236,9 +241,12 @@ class AllReduceRunner:
     def _cross_header(self, k: int, j: int, weight: int, enc: int, body: bytes, attest: bool, ok: bool) -> dict[str, Any]:
         result = hashlib.sha256(body).hexdigest() if body else VOID
         assert self.desk is not None
-        return self._header("cross", k, sub=j, members=list(self.session.order), weight=weight, result=result,
+        s, blob = self.session, b"" if attest else self._vouch_of(k)
+        sig = self.ctx.identity.sign(sub_message(self.ctx.run, s.round, s.base, s.group, k, j, s.order, weight, result,
+                                                 enc, blob, attest, ok))
+        return self._header("cross", k, sub=j, members=list(s.order), weight=weight, result=result,
                             enc=enc, attest=attest, ok=ok, tier=0, bucket=self.desk.bucket, groups=1,
-                            vouch=b"" if attest else self._vouch_of(k), witness="")
+                            vouch=blob, witness="", sig=sig.hex())
 
     def _vouch_of(self, k: int) -> bytes:
         """The members' words that they are in our group (their signed parts of shard ``k``, ours
@@ -296,7 +304,19 @@ class AllReduceRunner:
                     self._failed(taker, witness, skip, failed)
                     continue
                 if (k, j) in s.cross:
-                    return
+                    mean, _ = s.cross[(k, j)]
+                    why = await self._unproven(k, j)
+                    if not why:
+                        return
+                    # (a designee and its witness that collude sign any mean: the groups' own values refute it)
+                    s.cross.pop((k, j), None)
+                    s.disproven.add((k, j, mean["result"]))
+                    self.disproven += 1
+                    logger.warning("round %d: the mean of sub-piece (%d, %d) signed by %s and %s is not its groups' "
+                                   "mean (%s); asking the next pair", s.round, k, j, mean["signer"],
+                                   mean["witness"], why)
+                    self._failed(mean["signer"], mean["witness"], skip, failed)
+                    continue
                 # its mean lies further from our values than honest groups' can (session._far): the next
                 logger.warning("round %d: refused the mean of sub-piece (%d, %d) that %s took, or its witness did not "
                                "countersign it; asking the next", s.round, k, j, taker)
@@ -304,10 +324,48 @@ class AllReduceRunner:
         except RoundFailed as e:
             if (k, j) in s.cross:
                 return
+            if any(key[:2] == (k, j) for key in s.disproven):
+                # a pair signed a mean its groups' values refute, and no other pair took ours: our group's own
+                # values would be applied unchecked by any other group (a group without an honest majority's,
+                # search seed 6,000,028), so the round is void for us instead
+                raise RoundFailed(reason(f"a mean of sub-piece ({k}, {j}) was refuted by its proof and no other "
+                                         f"pair averaged it: {e}")) from None
             logger.warning("round %d: %s; our group applies its own result for it (the run may fork there)", s.round, e)
             self.fallbacks += 1
             own_header, own = fallen_back(ctx, s.round, s.base, k, j, body, weight, enc)
             s.deposit_cross(ctx.me, dict(own_header, group=s.group), own)
+
+    async def _unproven(self, k: int, j: int) -> str:
+        """Why the mean of our sub-piece (k, j) that came back is not the mean of the groups its
+        designee held ("" if it is, or if the round is too large to check: cross.py ``proves``). We
+        ask the designee that signed it for its proof and recompute the mean (``proven``): a check by
+        every reducer of the sub-piece, not by one witness that could collude with it."""
+        s, ctx = self.session, self.ctx
+        header, body = s.cross[(k, j)]
+        plan = s.plan
+        assert plan is not None
+        signer = header["signer"]
+        if signer == ctx.me or header["result"] == VOID or signer not in plan.ranked(k, j) or \
+                not plan.needs_witness(k, j) or not proves(plan, ctx.spec.target_group_size):
+            return ""
+        _, _, bodies = s.sub_pieces(k)
+        own = (s.group, hashlib.sha256(bodies[j]).hexdigest() if bodies[j] else VOID)
+        if header["result"] == own[1]:  # our group's own values: nobody else's to check (one group in the round)
+            return ""
+        start, end = s.bounds[k]
+        a, b = plan.sub_bounds(start, end)[j]
+        ask = ctx.header("cross_proof_req", s.round, s.base, shard=k, sub=j, result=header["result"])
+        try:
+            reply, proof = await request(ctx.link, signer, ctx.protocol, ask, b"",
+                                         max(0.1, min(s.deadline - clock.now(), ctx.spec.allreduce_timeout)),
+                                         max_reply_body=proof_nbytes(ctx.codec, b - a), traffic=ctx.traffic)
+        except Exception as e:  # (unreachable, too slow, or a malformed reply)
+            return f"its designee sent no proof ({e!r})"
+        if reply.get("type") != "cross_proof" or reply.get("code") != Code.OK or \
+                (reply.get("shard"), reply.get("sub")) != (k, j):
+            return f"its designee sent no proof ({reply.get('code')} {reply.get('reason', '')})"
+        return await asyncio.to_thread(proven, ctx.run, s.round, s.base, k, j, header, body, proof, ctx.codec,
+                                       ctx.spec.aggregation, b - a, own)
 
     async def _vouch(self, k: int) -> None:
         """Tells shard ``k``'s designees that its reducer's sub-pieces are what our group approved

@@ -385,7 +385,7 @@ class P2PAverager:
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         kind = header["type"]
-        if kind not in ("view", "cross", "cross_check", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
+        if kind not in ("view", "cross", "cross_check", "cross_proof_req", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
             return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
         round_ = header["round"]
         if header["run"] != self.ctx.run:
@@ -400,6 +400,14 @@ class P2PAverager:
             return self.refusal(header, Code.FOREIGN, f"round {round_} is not near ours ({self.current_round})")
         if kind in ("cross", "cross_check"):
             return self._admit_cross(sender, header, body_len)
+        if kind == "cross_proof_req":  # a reducer checks a mean we signed (cross.py ``prove``)
+            desk = self.desks.get(round_)
+            if body_len or desk is None or desk.base != header["base"]:
+                return self.refusal(header, Code.WRONG_SIZE if body_len else Code.NOT_READY,
+                                    "a proof request has no body" if body_len else "we averaged nothing there")
+            code, why, proof = desk.prove(sender, header)
+            return Done((self.ctx.header("cross_proof", round_, header["base"], shard=header["shard"],
+                                         sub=header["sub"], code=int(code), reason=reason(why)), proof))
         session = self.sessions.get(round_)
         desk = self.desks.get(round_)
         if kind == "cross_out" and desk is not None and desk.level > 0 and header["group"] == desk.label:

@@ -50,7 +50,15 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    writes what it averages (the update reversed, within MEAN_BOUND), or chooses whom it averages,
    is refused by an honest witness, and its sub-piece's groups ask the next pair; two colluding
    designees drawn as one pair are the residue.
-3. Each reducer forwards the signed sub-pieces of its shards to its members. Every member checks the
+3. In a round of at most PROOF_GROUPS full groups (``proves``), a reducer first asks the designee
+   that signed a mean for its proof (``prove``): every group it held, with its reducer's signature
+   of the values (``sub_message``: reducers sign what they send, attesters their word), the
+   members' vouches and the weight each counted with. It recomputes the mean (``proven``) and
+   refuses one the groups' own values do not give: a designee and a witness that collude (both
+   drawn by chance, about (f/d)^2 of sub-pieces) can then choose which groups count, up to what their
+   words allow, but write no values. A larger round keeps the witness alone (G x a sub-piece's
+   bytes per reducer would grow with the run).
+   Each reducer then forwards the signed sub-pieces of its shards to its members. Every member checks the
    signatures against the designees it derived itself and applies exactly those bytes, so every
    peer that completes the round holds the same state. A member that misses one voids the round
    (and re-syncs at the next boundary, like any void round); a sub-piece no group contributed to is
@@ -87,6 +95,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
 
 from hivetrain.dht import clock
@@ -126,6 +135,9 @@ CHOICE_SPREAD = 2.0  # x the groups' spread: how far a designee's mean may lie f
 WITNESS_SLACK = 64  # a witness's mean may differ from the designee's by one int8 step in one value in this many
 ETA_SKEW = 5.0  # s: a ready record claiming to have been ready later than this past our clock is not read
 CAUGHT_SHARE = 3  # a witness refuses a mean where groups of peers it caught hold 1/CAUGHT_SHARE of the weight or more
+PROOF_GROUPS = 4  # a round whose board holds at most this many full groups' peers: every reducer checks its means (``proven``)
+MAX_PROOF = 32  # groups one proof carries (a designee that held more sends none: its reducers ask the next pair)
+_SUB = b"hivetrain-sub-v1\0"
 
 
 def vouch(members: Sequence[str], words: dict[str, tuple[str, bytes]]) -> bytes:
@@ -375,6 +387,128 @@ def message(run: str, round_: int, base: str, k: int, j: int, result: str, weigh
     return _CROSS + f"{run}/{round_}/{base}/{k}/{j}/{result}/{weight}/{groups}/{enc}".encode()
 
 
+def sub_message(run: str, round_: int, base: str, group: str, k: int, j: int, members: Sequence[str], weight: int,
+                result: str, enc: int, vouch_blob: bytes, attest: bool, ok: bool) -> bytes:
+    """What a reducer signs of its group's sub-piece (k, j) in a ``cross`` request (``attest`` false),
+    and what another member signs of it in its word (``attest`` true, ``ok`` its verdict): a designee
+    can then pass both on to every reducer of the sub-piece (``proof``), which checks that the mean
+    is the mean of the groups' own values (``proven``)."""
+    return _SUB + msgpack.packb([run, round_, base, group, k, j, list(members), weight, result, enc,
+                                 hashlib.sha256(vouch_blob).digest(), attest, ok])
+
+
+def proves(plan: Plan, target: int) -> bool:
+    """Whether every reducer checks a designee's means of this round against the groups' values
+    (``proven``): at level 0 with a witness, when the board held at most PROOF_GROUPS full groups'
+    peers. Two colluding designees drawn as one sub-piece's pair sign any mean its witness would; the
+    reducers of a small round can check it themselves for at most PROOF_GROUPS x their sub-pieces'
+    bytes (a larger round keeps the witness alone: the pair is the residue, SECURITY.md)."""
+    return plan.witnessed and not plan.closed and 0 < len(plan.ready) <= PROOF_GROUPS * target
+
+
+def combine(rows: Sequence[torch.Tensor], weights: Sequence[int], aggregation: str, numel: int) -> torch.Tensor:
+    """The weighted mean of groups' sub-pieces (robust: a group without an honest majority pulls it a
+    bounded way), in the order given."""
+    if aggregation == "robust":
+        return weighted_robust_mean(list(rows), list(weights))
+    values = torch.zeros(numel, dtype=torch.float32)
+    for row, weight in zip(rows, weights, strict=True):
+        values.add_(row * float(weight))
+    return values.div_(float(sum(weights)))
+
+
+def same_mean(codec: Codec, numel: int, ours: bytes, theirs: bytes) -> bool:
+    """Whether two encodings of a sub-piece's mean are the same values: the same bytes, or (two
+    machines' floating point can round a sum otherwise) at most one int8 step apart in at most one
+    value in WITNESS_SLACK."""
+    if ours == theirs or not ours or not theirs:
+        return ours == theirs
+    try:
+        a, b = codec.decode(ours, numel), codec.decode(theirs, numel)
+    except CodecError:
+        return False
+    diff = (a - b).abs()
+    step = float(a.abs().max()) / 127.0
+    return bool(diff.max() <= 1.5 * step) and int((diff > 0).sum()) <= numel // WITNESS_SLACK
+
+
+def proof_nbytes(codec: Codec, numel: int) -> int:
+    """The most bytes a proof of a sub-piece of ``numel`` values can take."""
+    per_group = max(codec.for_results(n).encoded_nbytes(numel) for n in (1, MAX_GROUP))
+    return MAX_PROOF * (per_group + MAX_GROUP * (VOUCH_LEN + 64) + 512)
+
+
+def proven(run: str, round_: int, base: str, k: int, j: int, header: dict[str, Any], body: bytes, proof: bytes,
+           codec: Codec, aggregation: str, numel: int, own: tuple[str, str] | None = None) -> str:
+    """Why a designee's signed mean of sub-piece (k, j) (``header``, ``body``) is not the mean of the
+    groups in its ``proof`` ("" if it is; worker thread). The proof lists every group the designee
+    held, each with its reducer's signature of its values (``sub_message``), the members' vouches,
+    another member's signed word that the values are what the group approved, and the weight the
+    designee gave it. We check every signature, that no group weighs more than its members' words
+    allow (vouched members, each in one group: what a witness checks), that our own group
+    (``own``: its hash and the hash of the sub-piece our reducer sent) is among them, and that the
+    mean of the groups with those weights is the designee's. A designee and a witness that collude
+    can then choose which groups count (each at most its words' weight), never write values."""
+    try:
+        items = msgpack.unpackb(proof, raw=False, strict_map_key=True, use_list=True, max_str_len=4096,
+                                max_bin_len=max(VOUCH_LEN * MAX_GROUP, len(proof)),
+                                max_array_len=max(MAX_GROUP, MAX_PROOF, 14), max_map_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of types for malformed input
+        return f"its proof does not decode ({type(e).__name__})"
+    if not isinstance(items, list) or len(items) > MAX_PROOF or not all(isinstance(i, list) and len(i) == 14 for i in items):
+        return "its proof is not a list of groups"
+    groups: dict[str, tuple[str, int, int, int, bytes, frozenset[str]]] = {}  # group -> (result, weight, counted, enc, values, vouched)
+    for item in items:
+        g, holder, members, weight, counted, enc, blob, sig, attester, w_ok, w_weight, w_enc, w_sig, values = item
+        if not (isinstance(g, bytes) and len(g) == 32 and isinstance(holder, str) and isinstance(members, list)
+                and all(isinstance(m, str) for m in members) and 0 < len(members) <= MAX_GROUP
+                and len(set(members)) == len(members) and all(isinstance(x, int) and not isinstance(x, bool) and
+                                                             0 <= x <= 1 << 20 for x in (weight, counted, enc, w_weight, w_enc))
+                and 1 <= enc <= MAX_GROUP and isinstance(blob, bytes) and isinstance(sig, bytes)
+                and isinstance(attester, str) and isinstance(w_ok, bool) and isinstance(w_sig, bytes)
+                and isinstance(values, bytes)):
+            return "a group of its proof is malformed"
+        group = g.hex()
+        if group in groups:
+            return f"its proof names group {group[:12]} twice"
+        result = hashlib.sha256(values).hexdigest() if values else VOID
+        if holder not in members or not valid(holder, sig, sub_message(run, round_, base, group, k, j, members, weight,
+                                                                       result, enc, blob, False, True)):
+            return f"group {group[:12]}'s values in its proof are not signed by a member of that group"
+        if counted > 0:
+            if len(values) != codec.for_results(enc).encoded_nbytes(numel) or counted > weight:
+                return f"group {group[:12]} counts in it with values of the wrong size, or more than its own weight"
+            if len(members) > 1 and (attester == holder or attester not in members or not w_ok or not valid(
+                    attester, w_sig, sub_message(run, round_, base, group, k, j, members, w_weight, result, w_enc,
+                                                 b"", True, True))):
+                return f"group {group[:12]} counts in it without another member's signed word that its values are approved"
+        groups[group] = (result, weight, counted, enc, values, vouched(run, round_, group, k, members, blob))
+    if own is not None and (own[0] not in groups or groups[own[0]][0] != own[1]):
+        return "our group's sub-piece is not in it as our reducer sent it"
+    times = Counter(m for _, _, counted, _, _, v in groups.values() if counted > 0 for m in v)
+    used = sorted((g, t) for g, t in groups.items() if t[2] > 0)
+    for g, (_, _, counted, _, _, v) in used:
+        if counted > len({m for m in v if times[m] == 1}):
+            return f"group {g[:12]} weighs {counted} in it: more than its members' words allow"
+    if len(used) == 1:
+        _, (_, _, counted, enc, values, _) = used[0]
+        ours, weight, enc_ = values, counted, enc
+    elif used:
+        try:
+            rows = [codec.for_results(t[3]).decode(t[4], numel) for _, t in used]
+        except CodecError as e:
+            return f"a group's values in its proof do not decode: {e}"
+        ours = cross_codec(codec).encode(combine(rows, [t[2] for _, t in used], aggregation, numel))
+        weight, enc_ = sum(t[2] for _, t in used), MAX_GROUP
+    else:
+        ours, weight, enc_ = b"", 0, MAX_GROUP
+    if (weight, len(used), enc_) != (header["weight"], header["groups"], header["enc"]) or \
+            not same_mean(codec.for_results(enc_), numel, bytes(ours), body):
+        return (f"the mean of the groups in its proof is another (weight {weight}, {len(used)} groups; it says "
+                f"{header['weight']}, {header['groups']})")
+    return ""
+
+
 def designated(header: dict[str, Any], plan: Plan, fallback: str = "") -> bool:
     """Whether a ``cross_out``'s signer is, by our plan, one of its sub-piece's designees (or our
     reducer of the shard signing its own result: ``fallback``). Plans come from boards, and two
@@ -424,6 +558,10 @@ class _Entry:
     vouched: frozenset[str] = frozenset()  # members whose own signature says they are in the group (tier 0)
     witness: str = ""  # the designee its reducer named to check our mean of it (us: we are that witness)
     banned: bool = False  # we caught its reducer misbehaving: its group gets the means, without its values
+    sig: bytes = b""  # its reducer's signature of it (``sub_message``; tier 0)
+    order: tuple[str, ...] = ()  # ``members`` in the order its reducer named (and signed) them
+    vouch: bytes = b""  # its ``vouch`` field as it came
+    word: tuple[bool, int, int, bytes] | None = None  # the attester's word as it signed it: (ok, weight, enc, sig)
 
     def covers(self, on_board: Collection[str]) -> frozenset[str]:
         """The peers whose group this is, for the wait: every member it names when most of them vouched
@@ -457,6 +595,9 @@ class _Unit:
     # after the mean was computed: they get it without their values (tier 1)
     told: int = 0  # how many of ``late`` were sent the mean
     back: asyncio.Future[tuple[dict[str, Any], bytes]] | None = None  # the top designee's signed mean of it
+    used: list[tuple[_Entry, int]] | None = None  # (tier 0) every group we held for our mean, with the weight it
+    # counted with there (0: not in it): what ``prove`` shows the reducers
+    proof: bytes | None = None  # ``used``, packed (once asked for)
 
 
 class Desk:
@@ -571,6 +712,11 @@ class Desk:
         if not header["attest"] and mine.needs_witness(k, j) and self.level == 0 and \
                 witness not in mine.ranked(k, j):
             return Code.MALFORMED, f"a sub-piece of ({k}, {j}) names its witness among the sub-piece's other designees"
+        sig = bytes.fromhex(header["sig"])
+        if not valid(sender, sig, sub_message(self.ctx.run, self.round, self.base, header["group"], k, j,
+                                              header["members"], header["weight"], header["result"], header["enc"],
+                                              header["vouch"], header["attest"], header["ok"])):
+            return Code.MALFORMED, "a group's sub-piece, or a word on it, is not signed by its sender"
         unit = self.work.setdefault((0, k, j), _Unit())
         if unit.out is not None or unit.closed:
             return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
@@ -612,7 +758,8 @@ class Desk:
         # witness we check another designee's mean, whose bans are its own)
         entry = unit.entries[group] = _Entry(sender, group, members, header["weight"], body, header["enc"],
                                              header["result"], vouched=members_vouched, witness=witness,
-                                             banned=sender in self.ctx.bans)
+                                             banned=sender in self.ctx.bans, sig=sig, vouch=header["vouch"],
+                                             order=tuple(header["members"]))
         for (g, attester), word in list(unit.early.items()):  # the first word held for it from another member
             if g == group:
                 del unit.early[(g, attester)]
@@ -694,6 +841,8 @@ class Desk:
         same = (header["result"], frozenset(header["members"])) == (entry.result, entry.members) and \
             (header["weight"] == entry.weight or entry.weight == 0)
         entry.attested, entry.attester = bool(header["ok"]) and same, sender
+        if entry.attested:
+            entry.word = (True, header["weight"], header["enc"], bytes.fromhex(header["sig"]))
         self.changed.set()
 
     def returned(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[Code, str]:
@@ -803,6 +952,10 @@ class Desk:
             if tier == 0 and len(entries) > 1 and self._minority(entries):
                 entries = []
             body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
+            if tier == 0 and self.level == 0:
+                used = {e.group: e.weight for e in await asyncio.to_thread(self._used, k, j, entries)}
+                held = {e.group: e for e in entries} | {e.group: e for e in self._ours(unit)}  # (as they came)
+                unit.used = [(e, used.get(g, 0)) for g, e in sorted(held.items())]
             if body:
                 body = self.ctx.behaviour.mean_for(self.round, k, j, body, self._sub_numel(k, j),
                                                    self.ctx.codec.for_results(enc))
@@ -985,19 +1138,7 @@ class Desk:
         return Code.OK, "", sig
 
     def _same_mean(self, k: int, j: int, ours: bytes, theirs: bytes, enc: int) -> bool:
-        """Whether two encodings of a sub-piece's mean are the same values: the same bytes, or (two
-        machines' floating point can round a sum otherwise) at most one int8 step apart in at most
-        one value in WITNESS_SLACK."""
-        if ours == theirs or not ours or not theirs:
-            return ours == theirs
-        codec, numel = self.ctx.codec.for_results(enc), self._sub_numel(k, j)
-        try:
-            a, b = codec.decode(ours, numel), codec.decode(theirs, numel)
-        except CodecError:
-            return False
-        diff = (a - b).abs()
-        step = float(a.abs().max()) / 127.0
-        return bool(diff.max() <= 1.5 * step) and int((diff > 0).sum()) <= numel // WITNESS_SLACK
+        return same_mean(self.ctx.codec.for_results(enc), self._sub_numel(k, j), ours, theirs)
 
     @staticmethod
     def _words(unit: _Unit) -> list[tuple[_Entry, int]]:
@@ -1161,7 +1302,7 @@ class Desk:
         result = hashlib.sha256(body).hexdigest() if body else VOID
         header = self.ctx.header("cross", self.round, self.base, group=self.label, shard=k, sub=j, members=[],
                                  weight=weight, result=result, enc=enc, attest=False, ok=True, tier=1,
-                                 bucket=self.bucket, groups=groups, vouch=b"", witness="")
+                                 bucket=self.bucket, groups=groups, vouch=b"", witness="", sig="")
         unit.sent = (result, body)
         patience = LONG_WAIT * self.ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
         for designee in self.plan.ranked(k, j):
@@ -1205,14 +1346,42 @@ class Desk:
             groups += e.groups
         if not rows:
             return b"", 0, groups, MAX_GROUP
-        if self.ctx.spec.aggregation == "robust":  # a group without an honest majority pulls it a bounded way
-            values = weighted_robust_mean(rows, weights)
-        else:
-            values = torch.zeros(b - a, dtype=torch.float32)
-            for row, weight in zip(rows, weights, strict=True):
-                values.add_(row * float(weight))
-            values.div_(float(sum(weights)))
+        values = combine(rows, weights, self.ctx.spec.aggregation, b - a)
         return cross_codec(self.ctx.codec).encode(values), sum(weights), groups, MAX_GROUP
+
+    def _used(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
+        """The entries whose values ``_mean`` averages (worker thread): they count, and they decode."""
+        numel = self._sub_numel(k, j)
+        out = []
+        for e in entries:
+            if e.counts():
+                with contextlib.suppress(CodecError):
+                    self.ctx.codec.for_results(e.enc).decode(e.body, numel)
+                    out.append(e)
+        return out
+
+    def prove(self, sender: str, header: dict[str, Any]) -> tuple[Code, str, bytes]:
+        """Our mean of sub-piece (k, j) shown to a reducer that got it (``proven`` on its side): every
+        group we held, with its reducer's signature of its values, its members' vouches, another
+        member's signed word on them and the weight it counted with."""
+        k, j = header["shard"], header["sub"]
+        unit = self.work.get((0, k, j))
+        if unit is None or unit.out is None or unit.used is None:
+            return Code.NOT_READY, f"we computed no mean of sub-piece ({k}, {j})", b""
+        if unit.out[0]["result"] != header["result"]:
+            return Code.MALFORMED, "that is not the mean we signed", b""
+        if sender not in {e.holder for e, _ in unit.used}:
+            return Code.NOT_MEMBER, "a proof is for the reducers whose groups are in the mean", b""
+        if len(unit.used) > MAX_PROOF:
+            return Code.BUSY, f"our mean holds {len(unit.used)} groups: more than a proof carries", b""
+        if unit.proof is None:
+            unit.proof = msgpack.packb([
+                [bytes.fromhex(e.group), e.holder, list(e.order or sorted(e.members)), e.weight, counted, e.enc, e.vouch, e.sig,
+                 e.attester if e.word is not None else "", e.word is not None and e.word[0],
+                 e.word[1] if e.word is not None else 0, e.word[2] if e.word is not None else 1,
+                 e.word[3] if e.word is not None else b"", e.body]
+                for e, counted in unit.used])
+        return Code.OK, "", unit.proof
 
     def _signed(self, k: int, j: int, body: bytes, weight: int, groups: int, enc: int) -> tuple[dict[str, Any], bytes]:
         result = hashlib.sha256(body).hexdigest() if body else VOID

@@ -165,6 +165,7 @@ class RoundSession:
         self.early_cross: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
         self.own: torch.Tensor | None = None  # (numel,) fp32: our pseudo-gradient, what a mean is checked against
         self.refused: dict[tuple[int, int], str] = {}  # (shard, sub) -> the signer of a mean we refused (``_far``)
+        self.disproven: set[tuple[int, int, str]] = set()  # (shard, sub, mean hash) whose proof did not bear it out
         self.void = ""  # why our round is void already (a mean our reducer passed on and we refused)
         self._subs: dict[int, tuple[int, int, list[bytes]]] = {}  # shard -> our group's sub-pieces (``sub_pieces``)
         self._values: dict[int, torch.Tensor] = {}  # shard -> our group's approved values of it, decoded
@@ -286,6 +287,8 @@ class RoundSession:
             body = self.shards[k].result
         why = checked(header, body, self.plan, self.reducer(k))
         j = header["sub"]
+        if (k, j, header["result"]) in self.disproven:  # (sent again: refuted once is enough)
+            return Code.MALFORMED, "that mean is not the mean of its groups' values"
         if why and not header["witness"] and sender == header["signer"] and header["signer"] in self.plan.ranked(k, j) \
                 and self.plan.needs_witness(k, j):
             # the designee says that its witness did not countersign its mean: our group asks the next pair at once

@@ -196,10 +196,16 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # ``groups`` in it) to the sub-piece's designee in the round's top bucket, which sends its signed mean back
     # witness: (tier 0, level 0) the designee that checks the mean of the one we send it to (itself, when we
     # send it the same sub-piece as that witness); "" in a word, a bucket's mean, or a plan of one designee
+    # sig: (tier 0) the sender's signature of the fields above (cross.py ``sub_message``), so that a designee can show them
     "cross": {**_SESSION, "shard": _SHARD, "sub": _SUB, "members": _peers, "weight": _int(0, 1 << 20),
               "result": _hex64, "enc": _int(1, MAX_GROUP), "attest": _bool, "ok": _bool, "tier": _int(0, 1),
               "bucket": _int(0, (1 << 12) - 1), "groups": _int(0, 1 << 16),
-              "vouch": _vouch, "witness": _opt_peer},
+              "vouch": _vouch, "witness": _opt_peer, "sig": _opt_sig},
+    # a reducer of a small round (cross.py ``proves``) asks the designee that signed a mean of sub-piece ``sub`` (SHA-256
+    # ``result``) for its proof: every group it held, their reducers' signed values, members' vouches and words, and
+    # the weights they counted with (``cross_proof``, the proof in the body: cross.py ``proven``)
+    "cross_proof_req": {**_COMMON, "shard": _SHARD, "sub": _SUB, "result": _hex64},
+    "cross_proof": {**_COMMON, "shard": _SHARD, "sub": _SUB, "code": _int(0, 64), "reason": _text},
     # a designee's mean (body) of sub-piece ``sub`` to the witness its groups named: which groups it
     # averaged with which weights (``manifest``), so that the witness recomputes it from the same
     # groups' sub-pieces (it holds them too) and countersigns it (``cross_sig``) or refuses; no body when the

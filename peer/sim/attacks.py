@@ -832,6 +832,7 @@ class InflatedGroup(Attack):
                               "shard": k, "sub": j, "members": members, "weight": len(members),
                               "result": hashlib.sha256(body).hexdigest(), "enc": 64, "attest": False, "ok": True,
                               "tier": 0, "bucket": 0, "groups": 1, "vouch": blob, "witness": ""}
+                    header["sig"] = signed_sub(pair[0], header)
                     ranked = plan.ranked(k, j)
                     if len(ranked) >= 2:  # (the designee and its witness, as an honest reducer sends it)
                         header["witness"] = ranked[1]
@@ -839,6 +840,7 @@ class InflatedGroup(Attack):
                         sends.append(quietly(request(links[pair[0].id], designee, avg_protocol(swarm), header,
                                                      body, 5.0)))
                         word = dict(header, attest=True, vouch=b"", witness="")
+                        word["sig"] = signed_sub(pair[1], word)
                         sends.append(quietly(request(links[pair[1].id], designee, avg_protocol(swarm), word, b"",
                                                      5.0)))
             await asyncio.gather(*sends)
@@ -859,6 +861,16 @@ class InflatedGroup(Attack):
         most = max(e.weight for _, _, e in held)
         return (f"{len(held)} made-up groups taken by honest designees (claiming weight {most}; "
                 f"{max(len(e.vouched) for _, _, e in held)} members vouched at most)")
+
+
+def signed_sub(peer: SimPeer, header: dict[str, Any]) -> str:
+    """An attacker's signature of a ``cross`` request it makes up, as an honest sender signs its own."""
+    from hivetrain.peer.averaging import cross
+
+    h = header
+    return peer.identity.sign(cross.sub_message(h["run"], h["round"], h["base"], h["group"], h["shard"], h["sub"],
+                                                h["members"], h["weight"], h["result"], h["enc"], h["vouch"],
+                                                h["attest"], h["ok"])).hex()
 
 
 def colluders(swarm: Swarm, peer: SimPeer) -> frozenset[str]:
@@ -1001,13 +1013,15 @@ class Partisan(Behaviour):
         header = {"type": "cross", "run": run, "round": round_, "base": base, "group": group, "shard": shard,
                   "sub": sub, "members": [me], "weight": 1, "result": result, "enc": source.enc, "attest": False,
                   "ok": True, "tier": 0, "bucket": 0, "groups": 1, "vouch": blob, "witness": witness}
+        header["sig"] = signed_sub(self.peer, header)
         task = asyncio.get_running_loop().create_task(quietly(request(
             link_of(self.swarm, self.peer), witness, avg_protocol(self.swarm), header, body, 5.0)))
         self.sent.add(task)
         task.add_done_callback(self.sent.discard)
         return [dataclasses.replace(source, holder=me, group=group, members=frozenset({me}), weight=1, body=body,
                                     result=result, attested=None, attester="", vouched=frozenset({me}), witness="",
-                                    banned=False)]
+                                    banned=False, sig=bytes.fromhex(header["sig"]), vouch=blob, order=(me,),
+                                    word=None)]
 
 
 class PartisanDesignee(Attack):

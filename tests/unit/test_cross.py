@@ -25,7 +25,10 @@ from hivetrain.peer.averaging.cross import (
     anchor_rank,
     bucket_label,
     derive,
+    proven,
+    proves,
     read_plan,
+    sub_message,
     top_bucket,
     vouch,
 )
@@ -36,6 +39,14 @@ from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
 from hivetrain.peer.trust import Trust
 
 RUN, BASE, OTHER = "a" * 64, "b" * 64, "c" * 64
+
+
+def signed(sender: Identity, header: dict[str, Any], run: str = RUN, round_: int = 3, base: str = BASE) -> dict[str, Any]:
+    """A tier-0 ``cross`` request signed by its sender, as an honest reducer or attester signs it."""
+    h = header
+    sig = sender.sign(sub_message(run, round_, base, h["group"], h["shard"], h["sub"], h["members"], h["weight"],
+                                  h["result"], h["enc"], h["vouch"], h["attest"], h["ok"]))
+    return dict(header, sig=sig.hex())
 
 
 def ready(peer: str, eta: float, *, done: bool = True, base: str = BASE, closed: bool = False, up: int = 0,
@@ -153,32 +164,35 @@ def test_a_word_that_comes_before_its_groups_sub_piece_is_held_and_counted_when_
     ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me="p1", codec=spec.codec(), bans=set(), trust=Trust())
     d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
     d.plan = derive([ready("p1", clock.wall())], 3, BASE, RUN, units_=8, numel=1 << 16)
-    group, members = "g" * 64, ["r", "a", "m"]
+    r, a_, m, x = (Identity.generate() for _ in range(4))
+    group, members = "g" * 64, [r.peer_id, a_.peer_id, m.peer_id]
     start, end = shard_bounds(1 << 16, 8)[0]
     a, b = d.plan.sub_bounds(start, end)[0]
     body = ctx.codec.for_results(3).encode(torch.randn(b - a))
     result = hashlib.sha256(body).hexdigest()
 
-    def header(shard: int, attest: bool, names: list[str], group: str = group) -> dict[str, object]:
-        return {"type": "cross", "shard": shard, "sub": 0, "members": names, "weight": 3, "result": result,
-                "enc": 3, "attest": attest, "ok": True, "group": group, "tier": 0, "bucket": 0, "groups": 1,
-                "vouch": b""}
+    def header(shard: int, attest: bool, names: list[str], group: str = group,
+               sender: Identity = a_) -> dict[str, object]:
+        return signed(sender, {"type": "cross", "shard": shard, "sub": 0, "members": names, "weight": 3,
+                               "result": result, "enc": 3, "attest": attest, "ok": True, "group": group, "tier": 0,
+                               "bucket": 0, "groups": 1, "vouch": b""})
 
     async def go() -> None:
         try:
             # a word from outside the group (it names itself a member) first, then the attester's
-            assert (await d.accept("x", header(0, True, [*members, "x"]), b""))[0] == Code.OK
-            assert (await d.accept("a", header(0, True, members), b""))[0] == Code.OK
-            assert (await d.accept("a", header(0, True, members), b""))[0] == Code.DUPLICATE
+            outsider = header(0, True, [*members, x.peer_id], sender=x)
+            assert (await d.accept(x.peer_id, outsider, b""))[0] == Code.OK
+            assert (await d.accept(a_.peer_id, header(0, True, members), b""))[0] == Code.OK
+            assert (await d.accept(a_.peer_id, header(0, True, members), b""))[0] == Code.DUPLICATE
             assert d.work[(0, 0, 0)].entries == {}  # held, nothing counted yet
-            assert (await d.accept("r", header(0, False, members), body))[0] == Code.OK
+            assert (await d.accept(r.peer_id, header(0, False, members, sender=r), body))[0] == Code.OK
             entry = d.work[(0, 0, 0)].entries[group]
-            assert entry.attested is True and entry.attester == "a" and entry.counts()
+            assert entry.attested is True and entry.attester == a_.peer_id and entry.counts()
             assert not d.work[(0, 0, 0)].early  # the held words are gone with it
             # the words held for one sub-piece are bounded: past the bound the sender is asked to come again
             for i in range(MAX_EARLY_WORDS):
-                assert (await d.accept("a", header(1, True, members, group=f"{i:064x}"), b""))[0] == Code.OK
-            code, why = await d.accept("a", header(1, True, members, group="f" * 64), b"")
+                assert (await d.accept(a_.peer_id, header(1, True, members, group=f"{i:064x}"), b""))[0] == Code.OK
+            code, why = await d.accept(a_.peer_id, header(1, True, members, group="f" * 64), b"")
             assert code == Code.NOT_READY and "not arrived" in why
         finally:
             d.stop()
@@ -337,14 +351,14 @@ def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_
         try:
             good, evil = torch.ones(b - a), torch.full((b - a,), -100.0)
             h, body = entry("1" * 64, honest, honest, good)
-            assert (await d.accept(honest[1].peer_id, h, body))[0] == Code.OK
+            assert (await d.accept(honest[1].peer_id, signed(honest[1], h), body))[0] == Code.OK
             # the sybils' group: themselves, three fresh keys (they vouch), the honest peers (they cannot)
             names = [i.peer_id for i in sybils + fresh + honest]
             h, body = entry("2" * 64, [], sybils + fresh, evil, names)
-            assert (await d.accept(sybils[0].peer_id, h, body))[0] == Code.OK
+            assert (await d.accept(sybils[0].peer_id, signed(sybils[0], h), body))[0] == Code.OK
             # a forged word: a sybil's signature in an honest member's place
             forged = dict(h, group="3" * 64)
-            assert (await d.accept(sybils[1].peer_id, forged, body))[0] == Code.OK
+            assert (await d.accept(sybils[1].peer_id, signed(sybils[1], forged), body))[0] == Code.OK
             unit = d.work[(0, 0, 0)]
             assert unit.entries["2" * 64].vouched == {i.peer_id for i in sybils + fresh}
             assert unit.entries["3" * 64].vouched == frozenset()  # signed for another group: counts nowhere
@@ -359,7 +373,7 @@ def test_a_designee_counts_in_a_groups_weight_only_members_that_vouched_and_are_
             assert weight == 6 and float(mean.mean()) > 0  # the honest majority holds the round's mean
             # one honest member that also vouched for the sybils' group counts in neither
             h, body = entry("4" * 64, [], [honest[3], sybils[0]], evil, [honest[3].peer_id, sybils[0].peer_id])
-            assert (await d.accept(sybils[0].peer_id, h, body))[0] == Code.OK
+            assert (await d.accept(sybils[0].peer_id, signed(sybils[0], h), body))[0] == Code.OK
             weighed = {e.group: e.weight for e in d._weighed(0, 0, list(unit.entries.values()))}
             assert weighed["1" * 64] == 3 and weighed["2" * 64] == 1 and weighed["4" * 64] == 0
             # once we completed a round (with the honest peers), a member we never completed one with
@@ -489,10 +503,10 @@ class _Witnessing:
         """A group of one's sub-piece, as its reducer sends it to both designees, with its own word."""
         word = {reducer.peer_id: ("0" * 32, sign_part(reducer, Where(RUN, 3, group, 0), "0" * 32))}
         body = bytes(self.codec.encode(values))
-        return ({"type": "cross", "shard": 0, "sub": 0, "members": [reducer.peer_id], "weight": 1,
-                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
-                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch([reducer.peer_id], word),
-                 "witness": self.witness}, body)
+        return (signed(reducer, {"type": "cross", "shard": 0, "sub": 0, "members": [reducer.peer_id], "weight": 1,
+                                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False,
+                                 "ok": True, "group": group, "tier": 0, "bucket": 0, "groups": 1,
+                                 "vouch": vouch([reducer.peer_id], word), "witness": self.witness}), body)
 
     def asked(self, values: torch.Tensor | bytes, weights: dict[str, int]) -> tuple[dict[str, object], bytes]:
         """The designee's ``cross_check``: its mean (values, or their bytes) of groups with weights."""
@@ -674,3 +688,90 @@ def test_the_groups_spread_is_robust_to_a_group_far_off_and_to_copies() -> None:
     assert groups_spread(honest + [honest[0].clone()], [1.0] * 5) <= 1.5 * base
     assert groups_spread(honest[:1], [3.0]) == 0.0
     assert groups_spread([honest[0], -50 * common], [4.0, 1.0]) == 0.0  # one group with most of the weight
+
+
+def test_a_reducer_refuses_a_mean_its_designees_proof_does_not_bear_out() -> None:
+    """drawn_designee with two attackers as a sub-piece's designee and witness (search seeds
+    5,000,339, 5,000,350, 5,000,479, 6,000,028): the witness countersigned the mean times -1 and
+    every reducer passed it on, within MEAN_BOUND. In a small round every reducer now asks the
+    designee for its proof (every group it held: its reducer's signed values, the members' vouches,
+    another member's signed word, the weight it counted with) and recomputes the mean: the reversed
+    mean, values the designee wrote in a group's place, weight beyond the members' words, a group
+    counted without another member's word, and a proof without our own group are each refused."""
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4, aggregation="robust")
+    designees = [Identity.generate() for _ in range(3)]
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    assert proves(plan, spec.target_group_size)
+    me = next(i for i in designees if i.peer_id == plan.ranked(0, 0)[0])
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=me.peer_id, codec=spec.codec(), bans=set(),
+                          trust=Trust(), identity=me, behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    d._seen(plan.ready)
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    n, codec = b - a, ctx.codec.for_results(MAX_GROUP)
+    solo, reducer, mate = Identity.generate(), Identity.generate(), Identity.generate()
+    d._seen([solo.peer_id, reducer.peer_id, mate.peer_id])
+    witness = plan.ranked(0, 0)[1]
+
+    def sub_piece(group: str, members: list[Identity], values: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+        names = [m.peer_id for m in members]
+        words = {m.peer_id: ("0" * 32, sign_part(m, Where(RUN, 3, group, 0), "0" * 32)) for m in members}
+        body = bytes(codec.encode(values))
+        return ({"type": "cross", "shard": 0, "sub": 0, "members": names, "weight": len(names),
+                 "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True,
+                 "group": group, "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch(names, words),
+                 "witness": witness}, body)
+
+    one, two = "1" * 64, "2" * 64
+
+    async def go() -> None:
+        try:
+            h1, b1 = sub_piece(one, [solo], torch.full((n,), 1.0))
+            h2, b2 = sub_piece(two, [reducer, mate], torch.full((n,), 3.0))
+            assert (await d.accept(solo.peer_id, signed(solo, h1), b1))[0] == Code.OK
+            assert (await d.accept(reducer.peer_id, signed(reducer, h2), b2))[0] == Code.OK
+            word = signed(mate, dict(h2, attest=True, vouch=b"", witness=""))
+            assert (await d.accept(mate.peer_id, word, b""))[0] == Code.OK
+            unit = d.work[(0, 0, 0)]
+            entries = d._weighed(0, 0, list(unit.entries.values()))
+            body, weight, groups, enc = d._mean(0, 0, entries)
+            header = {"shard": 0, "sub": 0, "result": hashlib.sha256(body).hexdigest(), "weight": weight,
+                      "groups": groups, "enc": enc}  # (what ``proven`` reads of the signed mean)
+            held = {e.group: e for e in unit.entries.values()}
+            unit.out, unit.used = (header, body), [(held[e.group], e.weight) for e in entries]
+
+            def check(mean_header: dict[str, Any], mean: bytes, own: tuple[str, str] = (two, h2["result"])) -> str:
+                unit.proof = None
+                code, why, proof = d.prove(reducer.peer_id, {"shard": 0, "sub": 0, "result": mean_header["result"]})
+                assert code == Code.OK, why
+                return proven(RUN, 3, BASE, 0, 0, mean_header, mean, proof, ctx.codec, "robust", n, own)
+
+            assert check(header, body) == ""  # an honest mean: its groups' own values give it
+            assert check(header, body, (one, h1["result"])) == ""  # (as the other reducer sees it)
+            assert d.prove(Identity.generate().peer_id, {"shard": 0, "sub": 0, "result": header["result"]})[0] == \
+                Code.NOT_MEMBER  # a proof is for the reducers whose groups are in the mean
+            # the drawn_designee pair: the mean times -1, signed (its witness countersigns anything)
+            flipped = bytes(codec.encode(codec.decode(body, n) * -1.0))
+            flipped_header = dict(header, result=hashlib.sha256(flipped).hexdigest())
+            unit.out = (flipped_header, flipped)
+            assert "is another" in check(flipped_header, flipped)
+            unit.out = (header, body)
+            # values the designee wrote in a group's place: its reducer never signed them
+            forged = dataclasses.replace(held[one], body=bytes(codec.encode(torch.full((n,), -5.0))))
+            unit.used = [(forged, 1), (held[two], 2)]
+            assert "not signed" in check(header, body)
+            # more weight than the members' words allow, and a group counted without another member's word
+            unit.used = [(held[one], 1), (held[two], 3)]
+            assert "weight" in check(header, body)
+            unit.used = [(held[one], 1), (dataclasses.replace(held[two], word=None), 2)]
+            assert "word" in check(header, body)
+            # a proof without our group (it left us out, or it is another mean)
+            unit.used = [(held[two], 2)]
+            assert "our group" in check(header, body, (one, h1["result"]))
+        finally:
+            d.stop()
+
+    asyncio.run(go())
