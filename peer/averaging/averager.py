@@ -258,7 +258,9 @@ class P2PAverager:
                  "groups": float(groups), "round_members": float(max(members, len(order))),
                  # sub-pieces of ours whose mean no designee sent back by the deadline: our group applied
                  # its own values there (the run may fork there; cross.py)
-                 "cross_fallbacks": float(runner.fallbacks)}
+                 "cross_fallbacks": float(runner.fallbacks),
+                 # means of our sub-pieces that their designees' proofs refuted (another pair's came instead)
+                 "cross_disproven": float(runner.disproven)}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
         population_ = grown(self.base_population(population), members, ctx.spec.target_group_size) if desk else 0

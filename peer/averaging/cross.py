@@ -1370,8 +1370,8 @@ class Desk:
             return Code.NOT_READY, f"we computed no mean of sub-piece ({k}, {j})", b""
         if unit.out[0]["result"] != header["result"]:
             return Code.MALFORMED, "that is not the mean we signed", b""
-        if sender not in {e.holder for e, _ in unit.used}:
-            return Code.NOT_MEMBER, "a proof is for the reducers whose groups are in the mean", b""
+        if not any(sender in e.members for e, _ in unit.used):
+            return Code.NOT_MEMBER, "a proof is for the members of the groups in the mean", b""
         if len(unit.used) > MAX_PROOF:
             return Code.BUSY, f"our mean holds {len(unit.used)} groups: more than a proof carries", b""
         if unit.proof is None:

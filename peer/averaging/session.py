@@ -166,6 +166,7 @@ class RoundSession:
         self.own: torch.Tensor | None = None  # (numel,) fp32: our pseudo-gradient, what a mean is checked against
         self.refused: dict[tuple[int, int], str] = {}  # (shard, sub) -> the signer of a mean we refused (``_far``)
         self.disproven: set[tuple[int, int, str]] = set()  # (shard, sub, mean hash) whose proof did not bear it out
+        self.cross_from: dict[tuple[int, int], str] = {}  # (shard, sub) -> who sent us the mean we hold
         self.void = ""  # why our round is void already (a mean our reducer passed on and we refused)
         self._subs: dict[int, tuple[int, int, list[bytes]]] = {}  # shard -> our group's sub-pieces (``sub_pieces``)
         self._values: dict[int, torch.Tensor] = {}  # shard -> our group's approved values of it, decoded
@@ -320,6 +321,8 @@ class RoundSession:
                 self.arrived.set()
                 logger.warning("round %d: %s", self.round, far)
                 return Code.MALFORMED, far
+        if (header["shard"], header["sub"]) not in self.cross:
+            self.cross_from[(header["shard"], header["sub"])] = sender
         self.cross.setdefault((header["shard"], header["sub"]), (header, body))
         self.arrived.set()
         return Code.OK, ""

@@ -13,7 +13,7 @@ from hivetrain.dht.records import bucket_of, heartbeat_bucket
 from hivetrain.peer.averaging.behaviour import Behaviour
 from hivetrain.peer.net.dialback import DIRECT
 from hivetrain.peer.net.wire import Code
-from hivetrain.peer.sim.attacks import LIBRARY, attacker_ids, banned, incarnations
+from hivetrain.peer.sim.attacks import LIBRARY, attacker_ids, banned, honest_rounds, incarnations
 from hivetrain.peer.sim.measure import row
 from hivetrain.peer.sim.search import RELAY_SEEDS, check, schedule
 from hivetrain.peer.sim.swarm import Event, Result, Scenario, Swarm, simulate
@@ -565,6 +565,25 @@ def test_a_restarted_peer_and_an_attacker_do_not_fork_off_as_a_pair(seed: int) -
     time to leave the rest out."""
     result = simulate(schedule(seed))
     assert LIBRARY["bias"].happened(result)
+    violations, _ = check(result)
+    assert violations == [], violations
+
+
+@pytest.mark.parametrize("seed", [5_000_350, 6_000_028])
+def test_a_colluding_pair_of_designees_writes_no_mean_of_a_small_round(seed: int) -> None:
+    """Search seeds 5,000,350 (12 peers, 2 attackers) and 6,000,028 (7 peers, 2 attackers), both
+    drawn_designee: two attackers drawn as one sub-piece's designee and witness signed its mean times
+    -1 (the witness countersigns anything of the other's), and every reducer passed it on within
+    MEAN_BOUND: 1.4 to 1.95 x the largest honest deviation. Now, in a round of at most 4 full groups,
+    a reducer asks the designee for its proof (the groups' signed values and weights) and recomputes
+    the mean; a member whose reducer signed the mean it forwards does the same (6,000,028: an
+    attacker reduced a shard of its group and was drawn as designee of it, with the other attacker
+    as witness)."""
+    result = simulate(schedule(seed))
+    assert LIBRARY["drawn_designee"].happened(result)
+    refuted = [rec for _, rec in honest_rounds(result)
+               if rec.get("cross_disproven") or "proof refutes" in str(rec.get("why", ""))]
+    assert refuted, "no honest peer refuted a mean by its proof: the attack did not reach the check"
     violations, _ = check(result)
     assert violations == [], violations
 

@@ -752,7 +752,7 @@ def test_a_reducer_refuses_a_mean_its_designees_proof_does_not_bear_out() -> Non
             assert check(header, body) == ""  # an honest mean: its groups' own values give it
             assert check(header, body, (one, h1["result"])) == ""  # (as the other reducer sees it)
             assert d.prove(Identity.generate().peer_id, {"shard": 0, "sub": 0, "result": header["result"]})[0] == \
-                Code.NOT_MEMBER  # a proof is for the reducers whose groups are in the mean
+                Code.NOT_MEMBER  # a proof is for the members of the groups in the mean
             # the drawn_designee pair: the mean times -1, signed (its witness countersigns anything)
             flipped = bytes(codec.encode(codec.decode(body, n) * -1.0))
             flipped_header = dict(header, result=hashlib.sha256(flipped).hexdigest())
