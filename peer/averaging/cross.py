@@ -57,7 +57,9 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    refuses one the groups' own values do not give: a designee and a witness that collude (both
    drawn by chance, about (f/d)^2 of sub-pieces) can then choose which groups count, up to what their
    words allow, but write no values. A larger round keeps the witness alone (G x a sub-piece's
-   bytes per reducer would grow with the run).
+   bytes per reducer would grow with the run). A member whose reducer also signed the mean it
+   forwards (as its designee or witness) checks the proof itself: that reducer's check is worth
+   nothing to it.
    Each reducer then forwards the signed sub-pieces of its shards to its members. Every member checks the
    signatures against the designees it derived itself and applies exactly those bytes, so every
    peer that completes the round holds the same state. A member that misses one voids the round
@@ -137,6 +139,7 @@ ETA_SKEW = 5.0  # s: a ready record claiming to have been ready later than this 
 CAUGHT_SHARE = 3  # a witness refuses a mean where groups of peers it caught hold 1/CAUGHT_SHARE of the weight or more
 PROOF_GROUPS = 4  # a round whose board holds at most this many full groups' peers: every reducer checks its means (``proven``)
 MAX_PROOF = 32  # groups one proof carries (a designee that held more sends none: its reducers ask the next pair)
+PROOF_SERVED = 2  # times one peer is sent the proof of one mean (each holds every group's sub-piece)
 _SUB = b"hivetrain-sub-v1\0"
 
 
@@ -598,6 +601,7 @@ class _Unit:
     used: list[tuple[_Entry, int]] | None = None  # (tier 0) every group we held for our mean, with the weight it
     # counted with there (0: not in it): what ``prove`` shows the reducers
     proof: bytes | None = None  # ``used``, packed (once asked for)
+    served: Counter[str] = field(default_factory=Counter)  # who was sent ``proof``, how often (PROOF_SERVED each)
 
 
 class Desk:
@@ -1374,6 +1378,9 @@ class Desk:
             return Code.NOT_MEMBER, "a proof is for the members of the groups in the mean", b""
         if len(unit.used) > MAX_PROOF:
             return Code.BUSY, f"our mean holds {len(unit.used)} groups: more than a proof carries", b""
+        if unit.served[sender] >= PROOF_SERVED:  # (a member asking again and again would have us upload it each time)
+            return Code.DUPLICATE, f"we sent you that proof {PROOF_SERVED} times", b""
+        unit.served[sender] += 1
         if unit.proof is None:
             unit.proof = msgpack.packb([
                 [bytes.fromhex(e.group), e.holder, list(e.order or sorted(e.members)), e.weight, counted, e.enc, e.vouch, e.sig,

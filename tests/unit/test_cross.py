@@ -745,12 +745,16 @@ def test_a_reducer_refuses_a_mean_its_designees_proof_does_not_bear_out() -> Non
 
             def check(mean_header: dict[str, Any], mean: bytes, own: tuple[str, str] = (two, h2["result"])) -> str:
                 unit.proof = None
+                unit.served.clear()
                 code, why, proof = d.prove(reducer.peer_id, {"shard": 0, "sub": 0, "result": mean_header["result"]})
                 assert code == Code.OK, why
                 return proven(RUN, 3, BASE, 0, 0, mean_header, mean, proof, ctx.codec, "robust", n, own)
 
             assert check(header, body) == ""  # an honest mean: its groups' own values give it
             assert check(header, body, (one, h1["result"])) == ""  # (as the other reducer sees it)
+            asked = {"shard": 0, "sub": 0, "result": header["result"]}
+            assert d.prove(reducer.peer_id, asked)[0] == Code.OK  # (twice; a third time: each costs an upload)
+            assert d.prove(reducer.peer_id, asked)[0] == Code.DUPLICATE
             assert d.prove(Identity.generate().peer_id, {"shard": 0, "sub": 0, "result": header["result"]})[0] == \
                 Code.NOT_MEMBER  # a proof is for the members of the groups in the mean
             # the drawn_designee pair: the mean times -1, signed (its witness countersigns anything)
