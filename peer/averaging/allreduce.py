@@ -347,16 +347,19 @@ class AllReduceRunner:
             forwarder = s.cross_from.get((k, j), "")
             if k in s.mine or forwarder == self.ctx.me or forwarder not in (header["signer"], header["witness"]):
                 continue
-            why = await self._unproven(k, j)
+            why = await self._unproven(k, j, member=True)
             if why:
                 raise RoundFailed(reason(f"our reducer {forwarder} of shard {k} passed on a mean of sub-piece "
                                          f"({k}, {j}) that it signed and its proof refutes: {why}"))
 
-    async def _unproven(self, k: int, j: int) -> str:
+    async def _unproven(self, k: int, j: int, member: bool = False) -> str:
         """Why the mean of our sub-piece (k, j) that came back is not the mean of the groups its
         designee held ("" if it is, or if the round is too large to check: cross.py ``proves``). We
         ask the designee that signed it for its proof and recompute the mean (``proven``): a check by
-        every reducer of the sub-piece, not by one witness that could collude with it."""
+        every reducer of the sub-piece, not by one witness that could collude with it. ``member``: we
+        check a mean our reducer forwarded, so what our group sent is our reducer's to know (our
+        verdict on the shard may differ from its: an equivocating auditor), and the proof need only
+        name our group."""
         s, ctx = self.session, self.ctx
         header, body = s.cross[(k, j)]
         plan = s.plan
@@ -382,7 +385,7 @@ class AllReduceRunner:
                 (reply.get("shard"), reply.get("sub")) != (k, j):
             return f"its designee sent no proof ({reply.get('code')} {reply.get('reason', '')})"
         return await asyncio.to_thread(proven, ctx.run, s.round, s.base, k, j, header, body, proof, ctx.codec,
-                                       ctx.spec.aggregation, b - a, own)
+                                       ctx.spec.aggregation, b - a, (s.group, "") if member else own)
 
     async def _vouch(self, k: int) -> None:
         """Tells shard ``k``'s designees that its reducer's sub-pieces are what our group approved

@@ -449,7 +449,8 @@ def proven(run: str, round_: int, base: str, k: int, j: int, header: dict[str, A
     another member's signed word that the values are what the group approved, and the weight the
     designee gave it. We check every signature, that no group weighs more than its members' words
     allow (vouched members, each in one group: what a witness checks), that our own group
-    (``own``: its hash and the hash of the sub-piece our reducer sent) is among them, and that the
+    (``own``: its hash and the hash of the sub-piece our reducer sent, "" if we only know the group)
+    is among them, and that the
     mean of the groups with those weights is the designee's. A designee and a witness that collude
     can then choose which groups count (each at most its words' weight), never write values."""
     try:
@@ -486,7 +487,7 @@ def proven(run: str, round_: int, base: str, k: int, j: int, header: dict[str, A
                                                  b"", True, True))):
                 return f"group {group[:12]} counts in it without another member's signed word that its values are approved"
         groups[group] = (result, weight, counted, enc, values, vouched(run, round_, group, k, members, blob))
-    if own is not None and (own[0] not in groups or groups[own[0]][0] != own[1]):
+    if own is not None and (own[0] not in groups or own[1] and groups[own[0]][0] != own[1]):
         return "our group's sub-piece is not in it as our reducer sent it"
     times = Counter(m for _, _, counted, _, _, v in groups.values() if counted > 0 for m in v)
     used = sorted((g, t) for g, t in groups.items() if t[2] > 0)

@@ -752,6 +752,7 @@ def test_a_reducer_refuses_a_mean_its_designees_proof_does_not_bear_out() -> Non
 
             assert check(header, body) == ""  # an honest mean: its groups' own values give it
             assert check(header, body, (one, h1["result"])) == ""  # (as the other reducer sees it)
+            assert check(header, body, (two, "")) == ""  # (as a member sees it: our verdicts may differ from our reducer's)
             asked = {"shard": 0, "sub": 0, "result": header["result"]}
             assert d.prove(reducer.peer_id, asked)[0] == Code.OK  # (twice; a third time: each costs an upload)
             assert d.prove(reducer.peer_id, asked)[0] == Code.DUPLICATE
