@@ -365,9 +365,9 @@ class AllReduceRunner:
         plan = s.plan
         assert plan is not None
         signer = header["signer"]
-        if signer == ctx.me or header["result"] == VOID or signer not in plan.ranked(k, j) or \
+        if ctx.me in (signer, header["witness"]) or header["result"] == VOID or signer not in plan.ranked(k, j) or \
                 not plan.needs_witness(k, j) or not proves(plan, ctx.spec.target_group_size):
-            return ""
+            return ""  # (a mean we signed we computed, or recomputed as its witness)
         _, _, bodies = s.sub_pieces(k)
         own = (s.group, hashlib.sha256(bodies[j]).hexdigest() if bodies[j] else VOID)
         if header["result"] == own[1]:  # our group's own values: nobody else's to check (one group in the round)
@@ -375,15 +375,22 @@ class AllReduceRunner:
         start, end = s.bounds[k]
         a, b = plan.sub_bounds(start, end)[j]
         ask = ctx.header("cross_proof_req", s.round, s.base, shard=k, sub=j, result=header["result"])
-        try:
-            reply, proof = await request(ctx.link, signer, ctx.protocol, ask, b"",
-                                         max(0.1, min(s.deadline - clock.now(), ctx.spec.allreduce_timeout)),
-                                         max_reply_body=proof_nbytes(ctx.codec, b - a), traffic=ctx.traffic)
-        except Exception as e:  # (unreachable, too slow, or a malformed reply)
-            return f"its designee sent no proof ({e!r})"
-        if reply.get("type") != "cross_proof" or reply.get("code") != Code.OK or \
-                (reply.get("shard"), reply.get("sub")) != (k, j):
-            return f"its designee sent no proof ({reply.get('code')} {reply.get('reason', '')})"
+        whys = []
+        for who in (signer, header["witness"]):  # (its witness holds the same groups: the designee may have died)
+            try:
+                # (half of what is left, so that the witness can still be asked when the designee died with the stream)
+                wait = min((s.deadline - clock.now()) / 2, LONG_WAIT * ctx.spec.allreduce_timeout)
+                reply, proof = await request(ctx.link, who, ctx.protocol, ask, b"", max(0.1, wait),
+                                             max_reply_body=proof_nbytes(ctx.codec, b - a), traffic=ctx.traffic)
+            except Exception as e:  # (unreachable, too slow, or a malformed reply)
+                whys.append(f"{who}: {e!r}")
+                continue
+            if reply.get("type") == "cross_proof" and reply.get("code") == Code.OK and \
+                    (reply.get("shard"), reply.get("sub")) == (k, j):
+                break
+            whys.append(f"{who}: {reply.get('code')} {reply.get('reason', '')}")
+        else:
+            return f"neither its designee nor its witness sent its proof ({'; '.join(whys)})"
         return await asyncio.to_thread(proven, ctx.run, s.round, s.base, k, j, header, body, proof, ctx.codec,
                                        ctx.spec.aggregation, b - a, (s.group, "") if member else own)
 

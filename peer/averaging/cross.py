@@ -1140,6 +1140,9 @@ class Desk:
         sig = self.ctx.identity.sign(message(self.ctx.run, self.round, self.base, k, j, header["result"],
                                              header["weight"], header["groups"], header["enc"])).hex()
         self.countersigned[(k, j)] = (header["result"], sig)
+        # (we can show the reducers its proof too, from the same groups: a designee that died after it sent
+        # its mean cost its sub-piece the round, search seed 5,000,110)
+        unit.used = [(e, manifest.get(g, 0)) for g, e in sorted(unit.entries.items())]
         return Code.OK, "", sig
 
     def _same_mean(self, k: int, j: int, ours: bytes, theirs: bytes, enc: int) -> bool:
@@ -1371,9 +1374,11 @@ class Desk:
         member's signed word on them and the weight it counted with."""
         k, j = header["shard"], header["sub"]
         unit = self.work.get((0, k, j))
-        if unit is None or unit.out is None or unit.used is None:
-            return Code.NOT_READY, f"we computed no mean of sub-piece ({k}, {j})", b""
-        if unit.out[0]["result"] != header["result"]:
+        signed = unit.out[0]["result"] if unit is not None and unit.out is not None else \
+            self.countersigned.get((k, j), ("", ""))[0]  # (as its witness: the mean we countersigned)
+        if unit is None or not signed or unit.used is None:
+            return Code.NOT_READY, f"we signed no mean of sub-piece ({k}, {j})", b""
+        if signed != header["result"]:
             return Code.MALFORMED, "that is not the mean we signed", b""
         if not any(sender in e.members for e, _ in unit.used):
             return Code.NOT_MEMBER, "a proof is for the members of the groups in the mean", b""
