@@ -106,7 +106,6 @@ class AllReduceRunner:
         self.ctx, self.session = ctx, session
         self.desk = desk  # our designee's desk of this round: the plan, and the means we compute (cross.py)
         self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
-        self.disproven = 0  # means of our sub-pieces that their proofs did not bear out (``_unproven``)
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
         self._vouches: dict[int, bytes] = {}  # shard -> our group's ``vouch`` of it (the same for every sub-piece)
@@ -312,7 +311,6 @@ class AllReduceRunner:
                     # (a designee and its witness that collude sign any mean: the groups' own values refute it)
                     s.cross.pop((k, j), None)
                     s.disproven.add((k, j, mean["result"]))
-                    self.disproven += 1
                     logger.warning("round %d: the mean of sub-piece (%d, %d) signed by %s and %s is not its groups' "
                                    "mean (%s); asking the next pair", s.round, k, j, mean["signer"],
                                    mean["witness"], why)

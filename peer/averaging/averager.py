@@ -260,7 +260,7 @@ class P2PAverager:
                  # its own values there (the run may fork there; cross.py)
                  "cross_fallbacks": float(runner.fallbacks),
                  # means of our sub-pieces that their designees' proofs refuted (another pair's came instead)
-                 "cross_disproven": float(runner.disproven)}
+                 "cross_disproven": float(len(session.disproven))}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
         population_ = grown(self.base_population(population), members, ctx.spec.target_group_size) if desk else 0

@@ -956,11 +956,12 @@ class Desk:
                                                       self.ctx.codec)
             if tier == 0 and len(entries) > 1 and self._minority(entries):
                 entries = []
-            body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries)
+            averaged: list[_Entry] = []
+            body, weight, groups, enc = await asyncio.to_thread(self._mean, k, j, entries, averaged)
             if tier == 0 and self.level == 0:
-                used = {e.group: e.weight for e in await asyncio.to_thread(self._used, k, j, entries)}
+                counted = {e.group: e.weight for e in averaged}
                 held = {e.group: e for e in entries} | {e.group: e for e in self._ours(unit)}  # (as they came)
-                unit.used = [(e, used.get(g, 0)) for g, e in sorted(held.items())]
+                unit.used = [(e, counted.get(g, 0)) for g, e in sorted(held.items())]
             if body:
                 body = self.ctx.behaviour.mean_for(self.round, k, j, body, self._sub_numel(k, j),
                                                    self.ctx.codec.for_results(enc))
@@ -1329,9 +1330,9 @@ class Desk:
         logger.warning("round %d: no top designee averaged sub-piece (%d, %d) of our bucket", self.round, k, j)
         return None
 
-    def _mean(self, k: int, j: int, entries: list[_Entry]) -> tuple[bytes, int, int, int]:
+    def _mean(self, k: int, j: int, entries: list[_Entry], used: list[_Entry] | None = None) -> tuple[bytes, int, int, int]:
         """The weighted mean of the groups' (buckets') sub-pieces, in label order, encoded once
-        (worker thread): (bytes, weight, groups, enc)."""
+        (worker thread): (bytes, weight, groups, enc). ``used`` gets the entries whose values it holds."""
         plan = self.plan
         assert plan is not None
         start, end = shard_bounds(self.ctx.numel, plan.units)[k]
@@ -1339,6 +1340,8 @@ class Desk:
         counted = [e for e in sorted(entries, key=lambda e: e.group) if e.counts()]
         if len(counted) == 1:  # one group's values: its own bytes, as its reducer encoded them
             e = counted[0]
+            if used is not None:
+                used.append(e)
             return e.body, e.weight, e.groups, e.enc
         rows: list[torch.Tensor] = []  # (b - a,) fp32 each
         weights: list[int] = []
@@ -1352,21 +1355,12 @@ class Desk:
                 continue
             weights.append(e.weight)
             groups += e.groups
+            if used is not None:
+                used.append(e)
         if not rows:
             return b"", 0, groups, MAX_GROUP
         values = combine(rows, weights, self.ctx.spec.aggregation, b - a)
         return cross_codec(self.ctx.codec).encode(values), sum(weights), groups, MAX_GROUP
-
-    def _used(self, k: int, j: int, entries: list[_Entry]) -> list[_Entry]:
-        """The entries whose values ``_mean`` averages (worker thread): they count, and they decode."""
-        numel = self._sub_numel(k, j)
-        out = []
-        for e in entries:
-            if e.counts():
-                with contextlib.suppress(CodecError):
-                    self.ctx.codec.for_results(e.enc).decode(e.body, numel)
-                    out.append(e)
-        return out
 
     def prove(self, sender: str, header: dict[str, Any]) -> tuple[Code, str, bytes]:
         """Our mean of sub-piece (k, j) shown to a reducer that got it (``proven`` on its side): every
@@ -1387,12 +1381,10 @@ class Desk:
         if unit.served[sender] >= PROOF_SERVED:  # (a member asking again and again would have us upload it each time)
             return Code.DUPLICATE, f"we sent you that proof {PROOF_SERVED} times", b""
         unit.served[sender] += 1
-        if unit.proof is None:
+        if unit.proof is None:  # (no word: attester "", verdict false, weight 0, enc 1, no signature)
             unit.proof = msgpack.packb([
-                [bytes.fromhex(e.group), e.holder, list(e.order or sorted(e.members)), e.weight, counted, e.enc, e.vouch, e.sig,
-                 e.attester if e.word is not None else "", e.word is not None and e.word[0],
-                 e.word[1] if e.word is not None else 0, e.word[2] if e.word is not None else 1,
-                 e.word[3] if e.word is not None else b"", e.body]
+                [bytes.fromhex(e.group), e.holder, list(e.order or sorted(e.members)), e.weight, counted, e.enc, e.vouch,
+                 e.sig, e.attester if e.word else "", *(e.word or (False, 0, 1, b"")), e.body]
                 for e, counted in unit.used])
         return Code.OK, "", unit.proof
 

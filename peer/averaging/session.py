@@ -286,10 +286,10 @@ class RoundSession:
             if self.shards[k].result is None or self.shards[k].result_hash != header["result"]:
                 return Code.NOT_READY, f"the result of shard {k} it stands for has not reached us"
             body = self.shards[k].result
-        why = checked(header, body, self.plan, self.reducer(k))
         j = header["sub"]
         if (k, j, header["result"]) in self.disproven:  # (sent again: refuted once is enough)
             return Code.MALFORMED, "that mean is not the mean of its groups' values"
+        why = checked(header, body, self.plan, self.reducer(k))
         if why and not header["witness"] and sender == header["signer"] and header["signer"] in self.plan.ranked(k, j) \
                 and self.plan.needs_witness(k, j):
             # the designee says that its witness did not countersign its mean: our group asks the next pair at once
