@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ from hivetrain.peer.averaging.statements import (
 )
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
-from hivetrain.peer.net.wire import Code, reason
+from hivetrain.peer.net.wire import MAX_GROUP, Code, reason
 
 logger = logging.getLogger(__name__)
 LOST_SETTLE = 3.0  # seconds our other deliveries get, once the round failed, to show who is still with us
@@ -106,6 +107,7 @@ class AllReduceRunner:
         self.ctx, self.session = ctx, session
         self.desk = desk  # our designee's desk of this round: the plan, and the means we compute (cross.py)
         self.fallbacks = 0  # sub-pieces of ours no designee took: our group applies its own values there
+        self.fetched = 0  # means we asked for (our reducer's forward had not come: ``_fetch``)
         self.excluded: dict[str, str] = {}  # member -> why, as reported in the round's metrics
         self.claims: list[str] = []  # the members we put on probation this round
         self._vouches: dict[int, bytes] = {}  # shard -> our group's ``vouch`` of it (the same for every sub-piece)
@@ -117,6 +119,7 @@ class AllReduceRunner:
         try:
             outcome = await self._run(delta)
         except RoundFailed as e:
+            s.ended = str(e) or "void"  # (a member asking us for a mean we never passed on asks its designees)
             self._note_refused()
             ctx.rates.observe(self.outbox.meter)
             if ctx.ef is not None:
@@ -215,8 +218,7 @@ class AllReduceRunner:
             await s.wait_for(lambda: all(sh.verdict is not None for sh in s.shards), s.deadline,
                              "audit verdicts of every shard")
         if s.cross_on:
-            await s.wait_for(lambda: s.plan is not None and len(s.cross) == s.units * s.plan.subs, s.deadline,
-                             "cross-group means of every shard")
+            await self._means_in()
             await self._forwarded_proven()
         await self.outbox.flush()
 
@@ -276,6 +278,7 @@ class AllReduceRunner:
             for peer in s.order:
                 if peer != ctx.me:
                     self.outbox.put(peer, dict(header, group=s.group), b"" if own else body, strict=False)
+        s.passed.add(k)  # (a member that lost our forward asks us for it: averager ``cross_mean_req``)
 
     async def _sub_piece(self, k: int, j: int, weight: int, enc: int, body: bytes) -> None:
         """Our group's sub-piece (k, j) to its first designee that takes it; if the mean does not
@@ -333,6 +336,87 @@ class AllReduceRunner:
             self.fallbacks += 1
             own_header, own = fallen_back(ctx, s.round, s.base, k, j, body, weight, enc)
             s.deposit_cross(ctx.me, dict(own_header, group=s.group), own)
+
+    async def _means_in(self) -> None:
+        """Waits for the means of every sub-piece. Those that our reducers of their shards have not
+        passed on DESIGNEE_MARGIN after the last one came (or within a designee's whole wait, when none
+        came) we ask the sub-piece's designees for ourselves (``_fetch``), again after each such wait: a
+        reducer that died once our group's values were up forwards nothing (search seed 5,000,110 waited
+        28 s for its deadline, then re-synced the state the other group had written with our values)."""
+        s, ctx = self.session, self.ctx
+
+        def every() -> bool:
+            return s.plan is not None and len(s.cross) == s.units * s.plan.subs
+
+        patience = LONG_WAIT * ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
+        begun, fetched = clock.now(), -math.inf
+        while True:
+            due = s.cross_at + DESIGNEE_MARGIN if s.cross_at else begun + patience
+            try:
+                await s.wait_for(every, min(s.deadline, max(due, fetched + patience)), "cross-group means of every shard")
+                return
+            except RoundFailed:
+                if s.void or s.deadline - clock.now() <= clock.EPSILON or s.plan is None:
+                    raise
+            if s.cross_at and s.cross_at + DESIGNEE_MARGIN > clock.now() + clock.EPSILON:
+                continue  # (a mean came meanwhile: the others may still come)
+            plan, fetched = s.plan, clock.now()
+            missing = [(k, j) for k in range(s.units) if k not in s.mine for j in range(plan.subs)
+                       if (k, j) not in s.cross]
+            await asyncio.gather(*(self._fetch(k, j) for k, j in missing))
+
+    async def _fetch(self, k: int, j: int) -> None:
+        """Asks our reducer of shard ``k`` for the mean of sub-piece (k, j) it passed on (a forward
+        lost on the way), and, if it no longer holds the round (it died, or its round failed) the
+        sub-piece's designees, in rank order, for the mean they sent it (cross.py ``hand``). The first
+        that comes is checked as if our reducer had forwarded it (``session.deposit_cross``; its proof
+        too: ``_forwarded_proven``). A reducer still in the round that has not passed it on yet (it
+        checks it, or asks the next pair) answers BUSY: we wait for it, and never take a mean it
+        refused from its designee."""
+        s, ctx = self.session, self.ctx
+        assert self.desk is not None
+        plan = self.desk.mine or s.plan
+        assert plan is not None and s.plan is not None
+        code = await self._take_mean(s.reducer(k), k, j)
+        if code in (Code.OK, Code.BUSY):
+            return
+        for designee in plan.ranked(k, j):
+            if designee in (ctx.me, s.reducer(k)) or (k, j) in s.cross:
+                continue
+            if await self._take_mean(designee, k, j) == Code.OK:
+                logger.info("round %d: took the mean of sub-piece (%d, %d) from its designee %s: our reducer %s "
+                            "did not pass it on", s.round, k, j, designee, s.reducer(k))
+                return
+
+    async def _take_mean(self, peer: str | None, k: int, j: int) -> Code | None:
+        """One ``cross_mean_req`` to ``peer``: the code of its answer (OK: its mean is ours now), or
+        None if it gave none we could use."""
+        s, ctx = self.session, self.ctx
+        if peer is None or peer == ctx.me:
+            return None
+        most = max(s.cross_nbytes(k, j, n) for n in range(1, MAX_GROUP + 1))
+        try:
+            wait = min((s.deadline - clock.now()) / 4, LONG_WAIT * ctx.spec.allreduce_timeout)
+            reply, body = await request(ctx.link, peer, ctx.protocol, self._header("cross_mean_req", k, sub=j), b"",
+                                        max(0.1, wait), max_reply_body=most, traffic=ctx.traffic)
+        except Exception as e:  # (unreachable, too slow, or a malformed reply)
+            logger.info("round %d: %s sent no mean of sub-piece (%d, %d): %r", s.round, peer, k, j, e)
+            return None
+        if reply.get("type") != "cross_out" or (reply["shard"], reply["sub"], reply["group"]) != (k, j, s.group):
+            logger.info("round %d: %s sent no mean of sub-piece (%d, %d): %s %s", s.round, peer, k, j,
+                        reply.get("code"), reply.get("reason", ""))
+            with contextlib.suppress(ValueError):
+                return Code(int(reply.get("code", -1))) if reply.get("type") == "ack" else None
+            return None
+        if len(body) != s.cross_nbytes(k, j, reply["enc"]):
+            logger.info("round %d: %s sent a mean of sub-piece (%d, %d) of %d bytes", s.round, peer, k, j, len(body))
+            return None
+        code, why = s.deposit_cross(peer, reply, body)
+        if code != Code.OK:
+            logger.info("round %d: refused the mean of sub-piece (%d, %d) from %s: %s", s.round, k, j, peer, why)
+            return None
+        self.fetched += 1
+        return Code.OK
 
     async def _forwarded_proven(self) -> None:
         """Checks, as a member, the means that our reducer of their shard forwarded and also signed, as

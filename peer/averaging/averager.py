@@ -260,7 +260,10 @@ class P2PAverager:
                  # its own values there (the run may fork there; cross.py)
                  "cross_fallbacks": float(runner.fallbacks),
                  # means of our sub-pieces that their designees' proofs refuted (another pair's came instead)
-                 "cross_disproven": float(len(session.disproven))}
+                 "cross_disproven": float(len(session.disproven)),
+                 # means we asked for because our reducer's forward had not come (from it, or from their
+                 # designees when it died: allreduce ``_fetch``)
+                 "cross_fetched": float(runner.fetched)}
         # alone while others of the run were here: they may be averaging without us right now
         alone = tuple(sorted(mm.seen - {ctx.me}))[:MAX_AWAITED] if len(order) == 1 and groups <= 1 else ()
         population_ = grown(self.base_population(population), members, ctx.spec.target_group_size) if desk else 0
@@ -387,7 +390,8 @@ class P2PAverager:
 
     def admit(self, sender: str, header: dict[str, Any], body_len: int, remote: str = "") -> Reply | Ticket:
         kind = header["type"]
-        if kind not in ("view", "cross", "cross_check", "cross_proof_req", "ping") and kind not in SESSION_KINDS:  # (a message of another protocol)
+        if kind not in ("view", "cross", "cross_check", "cross_proof_req", "cross_mean_req", "ping") and \
+                kind not in SESSION_KINDS:  # (a message of another protocol)
             return self.refusal(header, Code.MALFORMED, f"{kind} is not an averaging request")
         round_ = header["round"]
         if header["run"] != self.ctx.run:
@@ -410,6 +414,18 @@ class P2PAverager:
             code, why, proof = desk.prove(sender, header)
             return Done((self.ctx.header("cross_proof", round_, header["base"], shard=header["shard"],
                                          sub=header["sub"], code=int(code), reason=reason(why)), proof))
+        if kind == "cross_mean_req":  # a member asks its reducer (session ``hand``), then the designees (cross.py ``hand``)
+            ours, desk = self.sessions.get(round_), self.desks.get(round_)
+            if body_len:
+                return self.refusal(header, Code.WRONG_SIZE, "a mean request has no body")
+            if ours is not None and ours.base == header["base"] and ours.group == header["group"] and \
+                    header["shard"] in ours.mine:
+                code, why, out, mean = ours.hand(sender, header)
+            elif desk is not None and desk.base == header["base"]:
+                code, why, out, mean = desk.hand(sender, header)
+            else:
+                code, why, out, mean = Code.NOT_READY, "we averaged nothing there", {}, b""
+            return Done((out, mean)) if code == Code.OK else self.refusal(header, code, why)
         session = self.sessions.get(round_)
         desk = self.desks.get(round_)
         if kind == "cross_out" and desk is not None and desk.level > 0 and header["group"] == desk.label:

@@ -603,6 +603,7 @@ class _Unit:
     # counted with there (0: not in it): what ``prove`` shows the reducers
     proof: bytes | None = None  # ``used``, packed (once asked for)
     served: Counter[str] = field(default_factory=Counter)  # who was sent ``proof``, how often (PROOF_SERVED each)
+    handed: Counter[str] = field(default_factory=Counter)  # who was sent ``out`` on request, how often (``hand``)
 
 
 class Desk:
@@ -1387,6 +1388,23 @@ class Desk:
                  e.sig, e.attester if e.word else "", *(e.word or (False, 0, 1, b"")), e.body]
                 for e, counted in unit.used])
         return Code.OK, "", unit.proof
+
+    def hand(self, sender: str, header: dict[str, Any]) -> tuple[Code, str, dict[str, Any], bytes]:
+        """Our signed mean of sub-piece (k, j), as we sent it to the reducer of ``sender``'s group: for a
+        member whose reducer died before passing it on (``AllReduceRunner._fetch``). Only to a member
+        its own reducer named, of a group we held, PROOF_SERVED times at most (each is the mean's bytes)."""
+        k, j = header["shard"], header["sub"]
+        unit = self.work.get((0, k, j))
+        if unit is None or unit.out is None:
+            return Code.NOT_READY, f"we hold no signed mean of sub-piece ({k}, {j})", {}, b""
+        entry = unit.entries.get(header["group"])
+        if entry is None or entry.bucket >= 0 or entry.witness == self.ctx.me or sender not in entry.members:
+            return Code.NOT_MEMBER, "a mean is handed to the members of the groups we held", {}, b""
+        if unit.handed[sender] >= PROOF_SERVED:
+            return Code.DUPLICATE, f"we sent you that mean {PROOF_SERVED} times", {}, b""
+        unit.handed[sender] += 1
+        out, body = unit.out
+        return Code.OK, "", dict(out, group=entry.group), body
 
     def _signed(self, k: int, j: int, body: bytes, weight: int, groups: int, enc: int) -> tuple[dict[str, Any], bytes]:
         result = hashlib.sha256(body).hexdigest() if body else VOID

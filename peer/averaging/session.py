@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +168,10 @@ class RoundSession:
         self.refused: dict[tuple[int, int], str] = {}  # (shard, sub) -> the signer of a mean we refused (``_far``)
         self.disproven: set[tuple[int, int, str]] = set()  # (shard, sub, mean hash) whose proof did not bear it out
         self.cross_from: dict[tuple[int, int], str] = {}  # (shard, sub) -> who sent us the mean we hold
+        self.cross_at = 0.0  # when the last mean we hold came (0: none yet)
+        self.passed: set[int] = set()  # shards we reduce whose means we passed on to our members
+        self.ended = ""  # why our round failed ("" while it runs, or once it completed)
+        self.handed: Counter[str] = Counter()  # members that asked us for a mean we passed on, how often
         self.void = ""  # why our round is void already (a mean our reducer passed on and we refused)
         self._subs: dict[int, tuple[int, int, list[bytes]]] = {}  # shard -> our group's sub-pieces (``sub_pieces``)
         self._values: dict[int, torch.Tensor] = {}  # shard -> our group's approved values of it, decoded
@@ -323,9 +328,28 @@ class RoundSession:
                 return Code.MALFORMED, far
         if (header["shard"], header["sub"]) not in self.cross:
             self.cross_from[(header["shard"], header["sub"])] = sender
+            self.cross_at = clock.now()
         self.cross.setdefault((header["shard"], header["sub"]), (header, body))
         self.arrived.set()
         return Code.OK, ""
+
+    def hand(self, sender: str, header: dict[str, Any]) -> tuple[Code, str, dict[str, Any], bytes]:
+        """The mean of sub-piece (k, j) of a shard we reduce, as we passed it on, for a member that did
+        not get it (``AllReduceRunner._fetch``); BUSY while we have not passed it on (we check it, or
+        ask the next pair: its designee's mean is not ours to give yet), NOT_READY once our round
+        failed without it (then its designees are asked)."""
+        k, j = header["shard"], header["sub"]
+        if sender not in self.order:
+            return Code.NOT_MEMBER, "our group's means are for its members", {}, b""
+        if k in self.passed and (k, j) in self.cross:
+            if self.handed[sender] >= 2 * self.units * MAX_SUBS:  # (every sub-piece twice: more is a flood)
+                return Code.DUPLICATE, "we sent you our means often enough", {}, b""
+            self.handed[sender] += 1
+            out, body = self.cross[(k, j)]
+            return Code.OK, "", dict(out, group=self.group), body
+        if self.ended:
+            return Code.NOT_READY, f"our round failed without that mean: {self.ended}", {}, b""
+        return Code.BUSY, "we have not passed that mean on yet", {}, b""
 
     def sub_pieces(self, k: int) -> tuple[int, int, list[bytes]]:
         """Our group's contribution to shard ``k``'s means: (weight, enc, one body per sub-piece), from

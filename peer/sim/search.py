@@ -284,6 +284,13 @@ def run_one(seed: int) -> tuple[Scenario, Result, list[Violation], dict[str, flo
     return sc, result, [Violation(inv, seed, attack, summary) for inv, summary in broken], measured
 
 
+def verdict(seed: int) -> tuple[tuple[str, ...], list[str], dict[str, float]]:
+    """Schedule ``seed`` run and checked, in plain values (for a process pool): its attacks, one line
+    per broken invariant, and its measures."""
+    sc, _, found, measured = run_one(seed)
+    return sc.attacks, [f"{v.invariant} [{v.attack}]: {v.summary}" for v in found], measured
+
+
 def search(budget_s: float, seed: int = 0, progress: Any = None) -> tuple[int, list[Violation], list[dict[str, Any]]]:
     """Runs schedules seed, seed+1, ... until ``budget_s`` seconds of wall time are spent (at least one);
     returns (schedules run, violations, one summary per schedule: with ``story``, the shortened

@@ -438,8 +438,12 @@ def test_a_restarted_peer_never_begins_again_a_round_it_began_before_its_crash()
     round 0 and is back at 20.4 s): it voided round 0 as its note says, then fork choice (a joiner's
     count of prefixes: the others were still in round 0) brought it back to round 0's base, the note
     was spent, and it began round 0 again: five honest reducers that held its first parts banned it
-    for two different ones (I3). The note now holds for the life of the process."""
-    result = simulate(schedule(3_000_982))
+    for two different ones (I3). The note now holds for the life of the process. (Since protocol 18
+    the others no longer wait for their deadline there: they take the means peer 7 reduced from the
+    designees and end round 0 at 11.8 s, before its restart; back after 2 s, it restarts while they
+    are still in round 0.)"""
+    sc = schedule(3_000_982)
+    result = simulate(dataclasses.replace(sc, events=(dataclasses.replace(sc.events[0], until=2.0),)))
     violations, _ = check(result)
     assert violations == []
     assert [rec for i, rec in result.records if i == 7 and rec.get("event") == "round" and rec["round"] == 0
@@ -652,3 +656,21 @@ def test_an_auditor_that_accused_and_then_crashed_is_not_banned_for_its_silence(
     result = simulate(schedule(3_000_501))
     violations, _ = check(result)
     assert not [v for v in violations if v[0] == "I3"], violations
+
+
+def test_members_whose_reducer_died_in_the_cross_stage_take_the_means_from_the_designees() -> None:
+    """Search seed 5,000,110 (13 peers, serving_lockout + unverifiable_parts; an honest peer crashes
+    at 20.69 s): the crashed peer reduced a shard of its group in round 2 and died once its group's
+    sub-pieces were with the designees. The other group applied means holding our values, while our
+    members waited 28 s for their deadline, voided and re-synced (0.77 of honest peer-rounds
+    completed, 2 states a round). Now a member asks the designees for the means its reducer did not
+    pass on, and the round ends on one state for both groups."""
+    result = simulate(schedule(5_000_110))
+    crashed = next(e.peers[0] for e in result.scenario.events if e.kind == "crash")
+    fetched = [(i, rec) for i, rec in honest_rounds(result) if rec["round"] == 2 and rec.get("cross_fetched")]
+    assert fetched, "no member took a mean from a designee: the crash did not hit the cross stage"
+    named = {p.id: p.index for p in result.peers}
+    for i, rec in fetched:
+        assert not rec["void"] and crashed in {named[m] for m in rec["group"]}, (i, rec)
+    violations, measured = check(result)
+    assert violations == [] and measured["I2_states_per_round"] == 1, (violations, measured)

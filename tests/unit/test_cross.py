@@ -780,3 +780,76 @@ def test_a_reducer_refuses_a_mean_its_designees_proof_does_not_bear_out() -> Non
             d.stop()
 
     asyncio.run(go())
+
+
+def test_a_designee_hands_its_signed_mean_only_to_members_of_the_groups_it_averaged() -> None:
+    """A member whose reducer died after its group's sub-piece went up asks the designee for the
+    mean (search seed 5,000,110: the other group applied it, ours waited for its deadline and
+    re-synced). The designee hands the mean it signed, as it sent it to that group's reducer, to a
+    member its reducer named, at most PROOF_SERVED times; nothing before the mean is signed, nothing
+    to a stranger or for a group it never held, nothing for a group whose reducer named it witness
+    (another designee averaged that one)."""
+    spec = RunSpec(name="t", matchmaking_timeout=5.0, target_group_size=4, aggregation="robust")
+    designees = [Identity.generate() for _ in range(3)]
+    plan = dataclasses.replace(derive([ready(i.peer_id, clock.wall()) for i in designees], 3, BASE, RUN, units_=8,
+                                      numel=1 << 16), witnessed=True)
+    me = next(i for i in designees if i.peer_id == plan.ranked(0, 0)[0])
+    ctx = SimpleNamespace(spec=spec, run=RUN, numel=1 << 16, me=me.peer_id, codec=spec.codec(), bans=set(),
+                          trust=Trust(), identity=me, behaviour=HONEST)
+    d = Desk(ctx, MemoryReadyBoard(), 3, BASE, lambda h, b: None, lambda: None)  # type: ignore[arg-type]
+    d.plan = d.mine = plan
+    reducer, mate, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    d._seen([reducer.peer_id, mate.peer_id])
+    start, end = shard_bounds(1 << 16, 8)[0]
+    a, b = plan.sub_bounds(start, end)[0]
+    codec = ctx.codec.for_results(MAX_GROUP)
+    group, other = "2" * 64, "3" * 64
+    names = [reducer.peer_id, mate.peer_id]
+    words = {m.peer_id: ("0" * 32, sign_part(m, Where(RUN, 3, group, 0), "0" * 32)) for m in (reducer, mate)}
+    body = bytes(codec.encode(torch.full((b - a,), 3.0)))
+    h = {"type": "cross", "shard": 0, "sub": 0, "members": names, "weight": 2,
+         "result": hashlib.sha256(body).hexdigest(), "enc": MAX_GROUP, "attest": False, "ok": True, "group": group,
+         "tier": 0, "bucket": 0, "groups": 1, "vouch": vouch(names, words), "witness": plan.ranked(0, 0)[1]}
+    asked = {"shard": 0, "sub": 0, "group": group}
+
+    async def go() -> None:
+        try:
+            assert (await d.accept(reducer.peer_id, signed(reducer, h), body))[0] == Code.OK
+            assert d.hand(mate.peer_id, asked)[0] == Code.NOT_READY  # (no mean signed yet)
+            unit = d.work[(0, 0, 0)]
+            out = {"type": "cross_out", "shard": 0, "sub": 0, "result": h["result"], "group": ZERO, "signer": me.peer_id}
+            unit.out = (out, body)
+            code, _, header, mean = d.hand(mate.peer_id, asked)
+            assert code == Code.OK and mean == body and header == dict(out, group=group)  # (as its reducer got it)
+            assert d.hand(mate.peer_id, asked)[0] == Code.OK
+            assert d.hand(mate.peer_id, asked)[0] == Code.DUPLICATE  # (each is the mean's bytes: twice at most)
+            assert d.hand(stranger.peer_id, asked)[0] == Code.NOT_MEMBER
+            assert d.hand(reducer.peer_id, dict(asked, group=other))[0] == Code.NOT_MEMBER
+            unit.entries[group].witness = me.peer_id  # its reducer named us witness: another designee's mean is its
+            assert d.hand(reducer.peer_id, asked)[0] == Code.NOT_MEMBER
+        finally:
+            d.stop()
+
+    asyncio.run(go())
+
+
+def test_a_reducer_hands_a_member_only_a_mean_it_passed_on_and_says_busy_until_then() -> None:
+    """A member that lost a forward asks its reducer first: the reducer hands only a mean it passed
+    on (never one it holds while it checks it or asks the next pair: BUSY, and the member waits),
+    only to its group's members, and says NOT_READY once its round failed without it (then the
+    member asks the designees)."""
+    me, other, designee = Identity.generate(), Identity.generate(), Identity.generate()
+    s, shard_of, n = _cross_session(me, other, designee)
+    k = shard_of[me.peer_id]
+    asked = {"shard": k, "sub": 0}
+    assert s.hand(other.peer_id, asked)[0] == Code.BUSY  # type: ignore[attr-defined]
+    header, body = _mean_out(designee, k, torch.full((n,), 1.5))
+    assert s.deposit_cross(designee.peer_id, header, body) == (Code.OK, "")  # type: ignore[attr-defined]
+    assert s.hand(other.peer_id, asked)[0] == Code.BUSY  # (held, not yet passed on)  # type: ignore[attr-defined]
+    s.passed.add(k)  # type: ignore[attr-defined]
+    code, _, out, mean = s.hand(other.peer_id, asked)  # type: ignore[attr-defined]
+    assert code == Code.OK and mean == body and out == dict(header, group=s.group)  # type: ignore[attr-defined]
+    assert s.hand(designee.peer_id, asked)[0] == Code.NOT_MEMBER  # type: ignore[attr-defined]
+    s.passed.clear()  # type: ignore[attr-defined]
+    s.ended = "deadline passed"  # type: ignore[attr-defined]
+    assert s.hand(other.peer_id, asked)[0] == Code.NOT_READY  # type: ignore[attr-defined]
