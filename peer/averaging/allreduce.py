@@ -340,9 +340,9 @@ class AllReduceRunner:
     async def _means_in(self) -> None:
         """Waits for the means of every sub-piece. Those that our reducers of their shards have not
         passed on DESIGNEE_MARGIN after the last one came (or within a designee's whole wait, when none
-        came) we ask the sub-piece's designees for ourselves (``_fetch``), again after each such wait: a
-        reducer that died once our group's values were up forwards nothing (search seed 5,000,110 waited
-        28 s for its deadline, then re-synced the state the other group had written with our values)."""
+        came) we ask for ourselves (``_fetch``), again after each such wait: a reducer that died once our
+        group's values were up forwards nothing (search seed 5,000,110 waited 28 s for its deadline,
+        then re-synced the state the other group had written with our values)."""
         s, ctx = self.session, self.ctx
 
         def every() -> bool:
@@ -408,7 +408,7 @@ class AllReduceRunner:
             with contextlib.suppress(ValueError):
                 return Code(int(reply.get("code", -1))) if reply.get("type") == "ack" else None
             return None
-        if len(body) != s.cross_nbytes(k, j, reply["enc"]):
+        if len(body) != (0 if reply["result"] == VOID else s.cross_nbytes(k, j, reply["enc"])):  # (VOID: no values)
             logger.info("round %d: %s sent a mean of sub-piece (%d, %d) of %d bytes", s.round, peer, k, j, len(body))
             return None
         code, why = s.deposit_cross(peer, reply, body)
