@@ -206,9 +206,10 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # the weights they counted with (``cross_proof``, the proof in the body: cross.py ``proven``)
     "cross_proof_req": {**_COMMON, "shard": _SHARD, "sub": _SUB, "result": _hex64},
     "cross_proof": {**_COMMON, "shard": _SHARD, "sub": _SUB, "code": _int(0, 64), "reason": _text},
-    # a member whose reducer of shard ``shard`` sent it no mean of sub-piece ``sub`` in time (it died after its
-    # group's values went up) asks the sub-piece's designees for it: the reply is the ``cross_out`` the designee
-    # sent that reducer (group: the requester's, which must be among the groups it held), or a refusal
+    # a member whose reducer of shard ``shard`` sent it no mean of sub-piece ``sub`` in time asks that reducer
+    # (BUSY: not passed on yet), then, if the reducer no longer holds the round (it died), the sub-piece's
+    # designees: the reply is the ``cross_out`` the reducer passed on or the designee sent it (group: the
+    # requester's, which must be among the groups the designee held), or a refusal
     "cross_mean_req": {**_SESSION, "shard": _SHARD, "sub": _SUB},
     # a designee's mean (body) of sub-piece ``sub`` to the witness its groups named: which groups it
     # averaged with which weights (``manifest``), so that the witness recomputes it from the same
