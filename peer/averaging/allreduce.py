@@ -314,6 +314,7 @@ class AllReduceRunner:
                     # (a designee and its witness that collude sign any mean: the groups' own values refute it)
                     s.cross.pop((k, j), None)
                     s.disproven.add((k, j, mean["result"]))
+                    s.spent.setdefault((k, j), set()).update({mean["signer"], mean["witness"]} - {""})
                     logger.warning("round %d: the mean of sub-piece (%d, %d) signed by %s and %s is not its groups' "
                                    "mean (%s); asking the next pair", s.round, k, j, mean["signer"],
                                    mean["witness"], why)
@@ -548,18 +549,20 @@ class AllReduceRunner:
         """Sends one sub-piece to a pair of its designees: the designee, which averages it, and its
         witness, which checks that mean (cross.py ``check``); both are told which is the witness.
         The pair is the first in ranked order, (1, 2), (1, 3), (2, 3), (1, 4) ..., of designees that
-        did not refuse it (``skip``) and that did not fail us before (``failed``). Returns (designee,
-        witness). A designee that does not take it is added to ``skip``, and the next pair is asked.
-        (One designee: to it alone, unchecked.)"""
+        did not refuse it (``skip``) and that did not fail us before (``failed``), whose designee
+        holds no mean of it that we refused (``spent``: it signed or countersigned it, and would hand
+        it to us again as to a late group). Returns (designee, witness). A designee that does not
+        take it is added to ``skip``, and the next pair is asked. (One designee: to it alone, unchecked.)"""
         assert self.desk is not None and self.desk.mine is not None
         plan = self.desk.mine
         if not plan.needs_witness(k, j):
             return await self._to_designee(k, j, header, body, skip), ""
         why = "every designee was tried"
         ranked = plan.ranked(k, j)
+        spent = self.session.spent.get((k, j), set())
         while True:
             pairs = [(a, b) for bi, b in enumerate(ranked) for a in ranked[:bi]
-                     if a not in skip and b not in skip and (a, b) not in failed]
+                     if a not in skip and b not in skip and (a, b) not in failed and a not in spent]
             if not pairs:
                 raise RoundFailed(reason(f"no two designees took sub-piece ({k}, {j}): {why}"))
             pair = pairs[0]

@@ -35,8 +35,10 @@ designee's cost is about one vector's bytes in and out, whatever the run's size.
    the weighted robust mean, aggregation.py: a group without an honest majority pulls it a bounded
    way) and encodes it once:
    one set of bytes, signed, sent back to every reducer that sent it (``cross_out``). A group that
-   arrives later is refused: it applies its own values (the run forks there; fork choice re-syncs
-   it at the next boundary).
+   arrives later gets that mean, without its values, like a late bucket (``_late``): one state, its
+   work lost for that sub-piece; so does one that comes to the witness once it countersigned (a
+   designee asked only as witness held no mean of its own, and averaged a late group alone: search
+   seed 6,100,708, a joiner grouped with two late attackers, 1.2e3 x the honest deviation).
    At level 0 the designee first sends its mean to the witness with the groups and the weights
    it used (``cross_check``); the witness, which holds the same groups' sub-pieces and the other
    members' words on them, checks that it could have given each weight, recomputes the mean and
@@ -646,6 +648,8 @@ class Desk:
         self._vouched: dict[tuple[str, int, bytes], frozenset[str]] = {}  # (group, shard, vouch) -> its vouched members
         self.countersigned: dict[tuple[int, int], tuple[str, str]] = {}  # as a witness: (shard, sub) -> (result, our sig)
         self.refused: dict[tuple[int, int], tuple[str, str]] = {}  # as a witness: (shard, sub) -> (designee, why) we refused
+        self.witnessed: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}  # as a witness: (shard, sub) -> the
+        # mean we countersigned, with both signatures (a ``cross_out``): what a group that comes later gets
 
     def sub_nbytes(self, k: int, j: int, codec: Codec) -> int:
         return codec.encoded_nbytes(self._sub_numel(k, j))
@@ -724,8 +728,13 @@ class Desk:
                                               header["vouch"], header["attest"], header["ok"])):
             return Code.MALFORMED, "a group's sub-piece, or a word on it, is not signed by its sender"
         unit = self.work.setdefault((0, k, j), _Unit())
-        if unit.out is not None or unit.closed:
-            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+        settled = self._settled(k, j, unit)
+        if settled is not None or unit.closed:
+            if settled is None and unit.task is not None and not unit.task.done():
+                return Code.BUSY, "we are computing the mean of that sub-piece"
+            if settled is None or header["attest"]:  # (a word is moot once the mean is written)
+                return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+            return self._late(sender, header, body, k, j, unit, settled, witness, sig)
         group = header["group"]
         entry = unit.entries.get(group)
         if header["attest"]:
@@ -748,8 +757,11 @@ class Desk:
         if why:
             return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
         members_vouched = await self._vouched_of(group, k, header)
-        if unit.out is not None or unit.closed:  # (meanwhile)
-            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+        settled = self._settled(k, j, unit)
+        if settled is not None or unit.closed:  # (meanwhile)
+            if settled is None:
+                return Code.BUSY, "we are computing the mean of that sub-piece"
+            return self._late(sender, header, body, k, j, unit, settled, witness, sig)
         entry = unit.entries.get(group)
         if entry is not None:
             same = entry.body == body and entry.holder == sender
@@ -775,6 +787,54 @@ class Desk:
             self.changed.set()
         else:
             self._start(0, k, j, unit)
+        return Code.OK, ""
+
+    def _settled(self, k: int, j: int, unit: _Unit) -> tuple[dict[str, Any], bytes] | None:
+        """The round's signed mean of tier-0 sub-piece (k, j) that we hold: ours, or (as a witness with
+        no group of our own to average there) the one we countersigned; None while there is none."""
+        if unit.out is not None:
+            return unit.out
+        witnessed = self.witnessed.get((k, j))
+        return witnessed if witnessed is not None and not self._ours(unit) else None
+
+    def _late(self, sender: str, header: dict[str, Any], body: bytes, k: int, j: int, unit: _Unit,
+              settled: tuple[dict[str, Any], bytes], witness: str, sig: bytes) -> tuple[Code, str]:
+        """A group's sub-piece that came after the mean of (k, j) was written (``settled``): its group
+        gets that mean, without its values (one state for the round; its work is lost there), as a
+        late bucket does. Its sub-piece joins our proof with weight 0, so that its reducer's check
+        (``proven``) finds its group among those we held. Sent once per group."""
+        group = header["group"]
+        entry = unit.entries.get(group)
+        if entry is not None and (entry.body != body or entry.holder != sender):
+            return Code.EQUIVOCATION, "another sub-piece for that group"
+        if (sender, group) in unit.late:
+            return Code.DUPLICATE, ""
+        if any(holder == sender for holder, _ in unit.late):  # (a reducer reduces for one group: no more means
+            return Code.EQUIVOCATION, "another late sub-piece of yours"  # sent for headers that cost nothing)
+        if len(unit.late) >= MAX_CROSS_GROUPS:
+            return Code.BUSY, "too many late groups for one sub-piece"
+        why = self._body_error(k, j, header, body)
+        if why:
+            return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
+        if entry is None and len(unit.entries) < MAX_CROSS_GROUPS:
+            entry = unit.entries[group] = _Entry(sender, group, frozenset(header["members"]), header["weight"], body,
+                                                 header["enc"], header["result"], witness=witness, sig=sig,
+                                                 vouch=header["vouch"], order=tuple(header["members"]))
+            if unit.used is not None:
+                unit.used.append((entry, 0))
+                unit.proof = None  # (packed anew when asked: it names the late group too)
+        unit.late.append((sender, group))
+        logger.info("round %d: group %s came after the mean of sub-piece (%d, %d) was written: it gets the mean "
+                    "without its values", self.round, group[:12], k, j)
+        out, mean = settled
+        if sender == self.ctx.me:
+            self.local(dict(out, group=group), mean)
+        else:
+            deadline = clock.now() + self.ctx.spec.allreduce_timeout
+            task = asyncio.ensure_future(send_all(self.ctx, self.round, deadline,
+                                                  [(sender, dict(out, group=group), mean)], strict=False))
+            self._late_sends.add(task)
+            task.add_done_callback(self._late_sends.discard)
         return Code.OK, ""
 
     async def _accept_bucket(self, sender: str, header: dict[str, Any], body: bytes, plan: Plan) -> tuple[Code, str]:
@@ -1020,7 +1080,7 @@ class Desk:
         """The witness's signature of our mean of sub-piece (k, j) (``check`` on its side), or None
         if it refused it or could not be reached (then nobody applies our mean: said loudly)."""
         ask = self.ctx.header("cross_check", self.round, self.base, group=ZERO, shard=k, sub=j, result=header["result"],
-                              weight=header["weight"], groups=header["groups"], enc=header["enc"],
+                              weight=header["weight"], groups=header["groups"], enc=header["enc"], sig=header["sig"],
                               manifest=[[bytes.fromhex(g), w] for g, w in sorted(manifest)[:MAX_CROSS_GROUPS]])
         why, pause = "", RETRY_PAUSE[0]
         deadline = clock.now() + LONG_WAIT * self.ctx.spec.allreduce_timeout + DESIGNEE_MARGIN
@@ -1077,9 +1137,12 @@ class Desk:
             return Code.MALFORMED, "the mean does not match its hash", ""
         if body and len(body) != self.sub_nbytes(k, j, self.ctx.codec.for_results(header["enc"])):
             return Code.WRONG_SIZE, f"sub-piece ({k}, {j}) has {len(body)} bytes", ""
+        signed = message(self.ctx.run, self.round, self.base, k, j, header["result"], header["weight"],
+                         header["groups"], header["enc"])
         if self.ctx.behaviour.countersigns(self.round, k, j, sender):  # (a colluding witness: the simulator's attacks)
-            return Code.OK, "", self.ctx.identity.sign(message(self.ctx.run, self.round, self.base, k, j, header["result"],
-                                                                header["weight"], header["groups"], header["enc"])).hex()
+            return Code.OK, "", self.ctx.identity.sign(signed).hex()
+        if not valid(sender, bytes.fromhex(header["sig"]), signed):  # (we hand the mean on: cross_out needs both)
+            return Code.MALFORMED, "the designee's signature of its mean does not verify", ""
         done = self.countersigned.get((k, j))
         if done is not None:
             return (Code.OK, "", done[1]) if done[0] == header["result"] else \
@@ -1139,9 +1202,12 @@ class Desk:
             return Code.MALFORMED, why, ""
         if (k, j) in self.countersigned:  # (meanwhile)
             return Code.EQUIVOCATION, "we countersigned another mean of that sub-piece", ""
-        sig = self.ctx.identity.sign(message(self.ctx.run, self.round, self.base, k, j, header["result"],
-                                             header["weight"], header["groups"], header["enc"])).hex()
+        sig = self.ctx.identity.sign(signed).hex()
         self.countersigned[(k, j)] = (header["result"], sig)
+        self.witnessed[(k, j)] = (self.ctx.header(
+            "cross_out", self.round, self.base, group=ZERO, shard=k, sub=j, result=header["result"],
+            weight=header["weight"], groups=header["groups"], enc=header["enc"], signer=sender, sig=header["sig"],
+            witness=self.ctx.me, wsig=sig), body)
         # (we can show the reducers its proof too, from the same groups: a designee that died after it sent
         # its mean cost its sub-piece the round, search seed 5,000,110)
         unit.used = [(e, manifest.get(g, 0)) for g, e in sorted(unit.entries.items())]

@@ -166,6 +166,8 @@ class RoundSession:
         self.early_cross: dict[tuple[int, int], tuple[str, dict[str, Any]]] = {}
         self.own: torch.Tensor | None = None  # (numel,) fp32: our pseudo-gradient, what a mean is checked against
         self.refused: dict[tuple[int, int], str] = {}  # (shard, sub) -> the signer of a mean we refused (``_far``)
+        self.spent: dict[tuple[int, int], set[str]] = {}  # (shard, sub) -> designees that signed (or countersigned)
+        # a mean of it we refused: they hold that mean, and would hand it to us again (cross.py ``_late``)
         self.disproven: set[tuple[int, int, str]] = set()  # (shard, sub, mean hash) whose proof did not bear it out
         self.cross_from: dict[tuple[int, int], str] = {}  # (shard, sub) -> who sent us the mean we hold
         self.cross_at = 0.0  # when the last mean we hold came (0: none yet)
@@ -252,8 +254,10 @@ class RoundSession:
             return Code.NOT_READY, "we have not derived the round's designees yet"
         if k >= self.units or j >= self.plan.subs:
             return Code.MALFORMED, f"sub-piece ({k}, {j}) does not exist"
-        # (to the reducer: from the signer, or, with buckets, from a designee of our bucket that passes it on)
-        carrier = sender == header["signer"] or (self.local is not None and sender in self.local.ranked(k, j))
+        # (to the reducer: from the signer or its witness, which hands it to a group that came late, or, with
+        # buckets, from a designee of our bucket that passes it on)
+        carrier = sender in (header["signer"], header["witness"]) or \
+            (self.local is not None and sender in self.local.ranked(k, j))
         if sender != self.reducer(k) and not (carrier and self.reducer(k) == self.me):
             return Code.WRONG_ROLE, f"sub-piece ({k}, {j}) comes from its designee to its reducer, then to us"
         if (k, j) in self.cross:
@@ -321,6 +325,7 @@ class RoundSession:
             far = self._far(k, header, body)
             if far:
                 self.refused[(k, header["sub"])] = header["signer"]
+                self.spent.setdefault((k, header["sub"]), set()).update({header["signer"], header["witness"]} - {""})
                 if sender == self.reducer(k) and sender != self.me:
                     self.void = self.void or far  # our reducer took it: our group applies it, we cannot
                 self.arrived.set()

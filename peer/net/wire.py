@@ -214,9 +214,10 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # a designee's mean (body) of sub-piece ``sub`` to the witness its groups named: which groups it
     # averaged with which weights (``manifest``), so that the witness recomputes it from the same
     # groups' sub-pieces (it holds them too) and countersigns it (``cross_sig``) or refuses; no body when the
-    # mean is one group's own bytes (the witness holds them)
+    # mean is one group's own bytes (the witness holds them); sig: the designee's own signature of the mean
+    # (the witness hands the signed mean to a group that comes later)
     "cross_check": {**_SESSION, "shard": _SHARD, "sub": _SUB, "result": _hex64, "weight": _int(0, 1 << 20),
-                    "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "manifest": _manifest},
+                    "groups": _int(0, 1 << 16), "enc": _int(1, MAX_GROUP), "sig": _sig, "manifest": _manifest},
     "cross_sig": {**_COMMON, "shard": _SHARD, "sub": _SUB, "code": _int(0, 64), "reason": _text, "sig": _opt_sig},
     # ... and the designee's signed weighted mean over the groups (``groups`` of them, ``weight`` members in
     # all), to each reducer, which forwards it to its members; result: its SHA-256 (all zeros: no group had values)

@@ -4,6 +4,7 @@ the real-process tests (tests/integration/test_churn.py, test_partition.py) repr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any
 
@@ -656,6 +657,25 @@ def test_an_auditor_that_accused_and_then_crashed_is_not_banned_for_its_silence(
     result = simulate(schedule(3_000_501))
     violations, _ = check(result)
     assert not [v for v in violations if v[0] == "I3"], violations
+
+
+def test_a_joiner_late_for_its_round_in_a_group_of_late_attackers_applies_the_rounds_means(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Search seed 6,100,708 (bias, 3 attackers of 13 on one /24): honest peer 12 voided round 0,
+    synced to round 3's base as a joiner (no history: no newcomer brake) and became ready after the
+    others had averaged round 3. Its group was attackers 3 and 10, as late. The designees refused it
+    as too late, but a witness (it held no mean of its own) took it and averaged it alone: peer 12
+    applied 1.18e3 x the honest deviation (I1). Now a group that comes after a sub-piece's mean was
+    written gets that mean without its values: the late group is on the round's one state."""
+    with caplog.at_level(logging.INFO, logger="hivetrain.peer.averaging.cross"):
+        result = simulate(schedule(6_100_708))
+    assert any("came after the mean" in r.getMessage() for r in caplog.records), "no group came late"
+    attackers = attacker_ids(result)
+    late = [(i, rec) for i, rec in honest_rounds(result)
+            if not rec["void"] and len(attackers & set(rec["group"])) * 2 > len(rec["group"])]
+    assert late, "no honest peer completed a round in a group of attackers: the attack did not happen"
+    violations, measured = check(result)
+    assert violations == [], (violations, measured)
 
 
 def test_members_whose_reducer_died_in_the_cross_stage_take_the_means_from_the_designees() -> None:
