@@ -678,6 +678,22 @@ def test_a_joiner_late_for_its_round_in_a_group_of_late_attackers_applies_the_ro
     assert violations == [], (violations, measured)
 
 
+def test_a_reducer_never_offers_its_sub_piece_again_to_a_designee_whose_mean_it_refuted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Search seed 6,100,074 (drawn_designee, 3 attackers of 10): a colluding pair signs reversed
+    means, the reducers' proofs refute them, and they ask the next pair, whose designee is one of
+    the two. Since a designee hands a group that comes after its mean was written that mean
+    (protocol 19), it handed the refuted mean again, and each reducer waited a designee's whole wait
+    per pair: rounds 0 and 1 voided at their deadline (completed 1.0 -> 0.5). A reducer now skips a
+    designee that signed or countersigned a mean of that sub-piece it refused."""
+    with caplog.at_level(logging.WARNING, logger="hivetrain.peer.averaging.allreduce"):
+        result = simulate(schedule(6_100_074))
+    assert any("is not its groups' mean" in r.getMessage() for r in caplog.records), \
+        "no mean was refuted: the colluding pair did not sign one"
+    violations, measured = check(result)
+    assert violations == [] and measured["I4_completed_fraction"] == 1.0, (violations, measured)
+
+
 def test_members_whose_reducer_died_in_the_cross_stage_take_the_means_from_the_designees() -> None:
     """Search seed 5,000,110 (13 peers, serving_lockout + unverifiable_parts; an honest peer crashes
     at 20.69 s): the crashed peer reduced a shard of its group in round 2 and died once its group's
