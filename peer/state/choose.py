@@ -30,7 +30,9 @@ says (``vote_key``): one vote per IPv4 /24 or IPv6 /48; addresses exempt from pr
 private, relayed) one vote per IP. The state with the most distinct votes wins; our own state has
 one vote of its own. States our own history descends from (behind us) neither win nor vote for
 ours: a joiner completed no round with anyone, so nobody behind it is a partner (a dead peer's
-last heartbeat must not hold it on a lineage it trained alone). Ties: more such attesters, then the
+last heartbeat must not hold it on a lineage it trained alone); but a state no more prefixes attest
+than the best-attested state behind us does not take us either (we keep ours: the run is behind us,
+and will move past it). Ties: more such attesters, then the
 higher round, then more attesters contacted for it whether or not they could serve (a peer behind
 NAT cannot be dialed: the state a NATed peer's group made must not lose to our lone one on a
 hash), then the smaller hash. On one host (one IP) every state has one vote, so identities decide
@@ -316,8 +318,11 @@ def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[
     A state our own history descends from is behind us: neither a competitor nor a vote for us."""
     behind = _ancestors(own) if own.held else set()
     tally: dict[State, tuple[set[str], list[str]]] = {own.state: ({SELF_VOTE}, [own.me])} if own.held else {}
+    bar = (0, 0)  # the most (votes, voters) a state behind us has: the run may be there, not where we went
     for state, peers in plan.items():
         if (state.round, state.hash) in behind:
+            served = {p: key for p in peers if (key := votes.get(p))}
+            bar = max(bar, (len(set(served.values())), len(served)))
             continue
         cast = {p: key for p in peers if (key := votes.get(p))}
         keys, voters = tally.get(state, (set(), []))
@@ -332,5 +337,10 @@ def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[
     if best == own.state and own.held:
         return Choice(None)
     keys, voters = tally[best]
+    if own.held and (len(keys), len(voters)) <= bar:
+        # (a state we descend from holds the run; a state beside ours that no more prefixes attest is no
+        # better than ours, and its tie with our own vote went to a hash one identity ground small: a peer
+        # restarted ahead of the run synced a lone attacker's sibling of its state, search seed 6,200,418)
+        return Choice(None)
     detail = f"attested by {len(keys)} network prefixes/IPs ({len(voters)} identities)"
     return Choice(Attested(best.round, best.hash, best.parent, tuple(sorted(voters))), (), detail)

@@ -343,6 +343,27 @@ def test_a_joiner_is_not_held_on_a_round_it_trained_alone_by_a_heartbeat_behind_
     assert joiner([att("dead", H5)], {"dead": loop}, mine) is None  # and never back to H5
 
 
+def test_a_peer_restarted_ahead_of_the_run_does_not_take_a_lone_attackers_sibling_of_its_state() -> None:
+    """Search seed 6,200,418: a peer restarted with no trust held J1, its own child of H0, where the
+    run was (its round 0 was void; so were everyone's). H0 was behind it, so its 9 attesters on 9
+    prefixes counted for nothing, and one attacker's A1, another child of H0, tied with the joiner's
+    own vote: the smaller hash (ground) won, then the attacker's A2, and the peer trained on the
+    attacker's lineage (2e12 x the honest deviation). A state no more prefixes attest than a state
+    behind us does not take us; past the run's own next state it does."""
+    h0, j1 = st("H0", 0, ZERO), st("J1", 1, "H0")
+    mine = own([h0, j1], "joiner")
+    for tag in ("A1", "B1"):  # its hash below and above ours
+        lone = st(tag, 1, "H0")
+        found = [att(f"h{i}", h0) for i in range(9)] + [att("attacker", lone)]
+        addrs = {f"h{i}": [f"/ip4/20.0.{i}.5/tcp/1"] for i in range(9)} | {"attacker": ["/ip4/200.0.0.7/tcp/1"]}
+        assert joiner(found, addrs, mine) is None, tag
+        assert (joiner([att("attacker", lone)], addrs, mine) is None) == (h("J1") < h(tag))  # (alone: as before)
+    assert h("A1") < h("J1") < h("B1")
+    run = st("R1", 1, "H0")  # the run's next state, attested by more prefixes than H0 still is: taken
+    found = [att(f"h{i}", h0) for i in range(3)] + [att(f"h{i}", run) for i in range(3, 9)]
+    assert joiner(found, {f"h{i}": [f"/ip4/20.0.{i}.5/tcp/1"] for i in range(9)}, mine) == run
+
+
 def test_a_lone_state_loses_a_tie_to_a_group_state_whose_other_attester_is_behind_nat() -> None:
     """We trained round 5 alone (J6); an open peer and a peer behind NAT made T6 together. The NATed
     attester cannot be dialed (no vote), so T6 and J6 have one vote each: the state more peers
