@@ -728,13 +728,9 @@ class Desk:
                                               header["vouch"], header["attest"], header["ok"])):
             return Code.MALFORMED, "a group's sub-piece, or a word on it, is not signed by its sender"
         unit = self.work.setdefault((0, k, j), _Unit())
-        settled = self._settled(k, j, unit)
-        if settled is not None or unit.closed:
-            if settled is None and unit.task is not None and not unit.task.done():
-                return Code.BUSY, "we are computing the mean of that sub-piece"
-            if settled is None or header["attest"]:  # (a word is moot once the mean is written)
-                return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
-            return self._late(sender, header, body, k, j, unit, settled, witness, sig)
+        written = self._written(sender, header, body, k, j, unit, witness, sig)
+        if written is not None:
+            return written
         group = header["group"]
         entry = unit.entries.get(group)
         if header["attest"]:
@@ -757,11 +753,9 @@ class Desk:
         if why:
             return Code.WRONG_SIZE if why.startswith("sub-piece") else Code.MALFORMED, why
         members_vouched = await self._vouched_of(group, k, header)
-        settled = self._settled(k, j, unit)
-        if settled is not None or unit.closed:  # (meanwhile)
-            if settled is None:
-                return Code.BUSY, "we are computing the mean of that sub-piece"
-            return self._late(sender, header, body, k, j, unit, settled, witness, sig)
+        written = self._written(sender, header, body, k, j, unit, witness, sig)  # (meanwhile)
+        if written is not None:
+            return written
         entry = unit.entries.get(group)
         if entry is not None:
             same = entry.body == body and entry.holder == sender
@@ -788,6 +782,19 @@ class Desk:
         else:
             self._start(0, k, j, unit)
         return Code.OK, ""
+
+    def _written(self, sender: str, header: dict[str, Any], body: bytes, k: int, j: int, unit: _Unit, witness: str,
+                 sig: bytes) -> tuple[Code, str] | None:
+        """Our answer to a group's sub-piece (or word) once the mean of (k, j) is written or being
+        computed; None while it is open."""
+        settled = self._settled(k, j, unit)
+        if settled is None and not unit.closed:
+            return None
+        if settled is None and unit.task is not None and not unit.task.done():
+            return Code.BUSY, "we are computing the mean of that sub-piece"
+        if settled is None or header["attest"]:  # (a word is moot once the mean is written)
+            return Code.NOT_MEMBER, "the mean of that sub-piece is computed: too late for this round"
+        return self._late(sender, header, body, k, j, unit, settled, witness, sig)
 
     def _settled(self, k: int, j: int, unit: _Unit) -> tuple[dict[str, Any], bytes] | None:
         """The round's signed mean of tier-0 sub-piece (k, j) that we hold: ours, or (as a witness with
@@ -830,11 +837,7 @@ class Desk:
         if sender == self.ctx.me:
             self.local(dict(out, group=group), mean)
         else:
-            deadline = clock.now() + self.ctx.spec.allreduce_timeout
-            task = asyncio.ensure_future(send_all(self.ctx, self.round, deadline,
-                                                  [(sender, dict(out, group=group), mean)], strict=False))
-            self._late_sends.add(task)
-            task.add_done_callback(self._late_sends.discard)
+            self._send_soon([(sender, dict(out, group=group), mean)])
         return Code.OK, ""
 
     async def _accept_bucket(self, sender: str, header: dict[str, Any], body: bytes, plan: Plan) -> tuple[Code, str]:
@@ -1360,14 +1363,18 @@ class Desk:
         header, body = unit.out
         late, unit.told = unit.late[unit.told:], len(unit.late)
         if late:
-            deadline = clock.now() + self.ctx.spec.allreduce_timeout
-            sends = [(holder, dict(header, group=label), body) for holder, label in late if holder != self.ctx.me]
             for holder, label in late:
                 if holder == self.ctx.me:
                     self.returned(self.ctx.me, dict(header, group=label), body)
-            task = asyncio.ensure_future(send_all(self.ctx, self.round, deadline, sends, strict=False))
-            self._late_sends.add(task)
-            task.add_done_callback(self._late_sends.discard)
+            self._send_soon([(holder, dict(header, group=label), body) for holder, label in late
+                             if holder != self.ctx.me])
+
+    def _send_soon(self, sends: list[tuple[str, dict[str, Any], bytes]]) -> None:
+        """Means to late groups (buckets), in the background, within ``allreduce_timeout`` (kept from the GC)."""
+        deadline = clock.now() + self.ctx.spec.allreduce_timeout
+        task = asyncio.ensure_future(send_all(self.ctx, self.round, deadline, sends, strict=False))
+        self._late_sends.add(task)
+        task.add_done_callback(self._late_sends.discard)
 
     async def _up(self, k: int, j: int, unit: _Unit, body: bytes, weight: int, groups: int,
                   enc: int) -> tuple[dict[str, Any], bytes] | None:

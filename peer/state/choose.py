@@ -320,11 +320,10 @@ def choose_joiner(plan: Mapping[State, Sequence[str]], own: Own, votes: Mapping[
     tally: dict[State, tuple[set[str], list[str]]] = {own.state: ({SELF_VOTE}, [own.me])} if own.held else {}
     bar = (0, 0)  # the most (votes, voters) a state behind us has: the run may be there, not where we went
     for state, peers in plan.items():
-        if (state.round, state.hash) in behind:
-            served = {p: key for p in peers if (key := votes.get(p))}
-            bar = max(bar, (len(set(served.values())), len(served)))
-            continue
         cast = {p: key for p in peers if (key := votes.get(p))}
+        if (state.round, state.hash) in behind:
+            bar = max(bar, (len(set(cast.values())), len(cast)))
+            continue
         keys, voters = tally.get(state, (set(), []))
         tally[state] = (keys | set(cast.values()), voters + list(cast))
     tally = {state: cast for state, cast in tally.items() if cast[0]}  # (held: ours always has its vote)
