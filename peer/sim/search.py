@@ -12,9 +12,17 @@ The invariants, checked on the run's result (``check``):
   base, the honest peers' pseudo-gradients (swarm.py's ``Probe``: the same sample of coordinates of
   each) have a mean m and lie at most D from it; every mean an honest peer applied (outside its void
   shards) must lie within I1_BOUND x D of m (plus the int8 codec's rounding). Any average of honest
-  parts lies within D, so what lies further is what attackers did. (Before the cross-group stage's robust mean, I1 asked instead that
-  every group have an honest majority: with one model per round a group's mean is one of the
-  round's inputs, and small derived groups without one are drawn by chance. I7 still counts them.)
+  parts lies within D, so what lies further is what attackers did. Where one honest peer alone
+  averaged at a base, D is 0 and every mean with anybody else would break I1 (search seed 6,201,101:
+  an attacker that sent its own honestly computed parts to a lone honest peer, 1.23e12 x): there the
+  attackers' own pseudo-gradients at that base (what their learners computed, before any attack)
+  join the honest one to make m and D, so what an attacker did to its parts still counts. Nor may
+  an honest peer end on a state built on one that only attackers' rounds computed: the simulator's
+  attackers compute their states honestly, but a real one's is any bytes it likes (seed 6,200,418
+  was seen by the zero spread above; this is what it broke). (Before the cross-group stage's robust
+  mean, I1 asked instead that every group have an honest majority: with one model per round a
+  group's mean is one of the round's inputs, and small derived groups without one are drawn by
+  chance. I7 still counts them.)
 - I2: distinct honest states per round (measured; step 13 makes it 1);
 - I3: no honest peer is banned by an honest peer;
 - I4: the fraction of honest peer-rounds that completed (measured);
@@ -164,11 +172,18 @@ def _pulled(result: Result) -> dict[str, str]:
     at_base: dict[tuple[int, str], dict[int, Probe]] = {}
     for probe in result.probes:
         at_base.setdefault((probe.round, probe.base), {})[probe.peer] = probe  # (a restart's later one)
+    computed: dict[tuple[int, str], dict[int, Probe]] = {}
+    for probe in result.attacker_probes:
+        computed.setdefault((probe.round, probe.base), {})[probe.peer] = probe
     state = {(i, rec["round"]): rec["state_hash"] for i, rec in result.records
              if rec.get("event") == "round" and not rec.get("void")}
     out: dict[str, str] = {}
-    for (round_, _), probes in sorted(at_base.items()):
-        honest = torch.stack([p.delta for p in probes.values()])  # (h, PROBE_VALUES)
+    for (round_, base), probes in sorted(at_base.items()):
+        reference = list(probes.values())
+        if len(reference) < 2:  # (one honest peer alone has no spread: the module's I1)
+            reference += computed.get((round_, base), {}).values()
+        honest = torch.stack([p.delta for p in reference])  # (h, PROBE_VALUES): computed honestly
+        mixed = f", with {len(reference) - len(probes)} attackers' own" if len(reference) > len(probes) else ""
         m = honest.mean(dim=0)
         for p in probes.values():
             if p.applied is None or p.void is None or (p.peer, round_) not in state:
@@ -182,7 +197,22 @@ def _pulled(result: Result) -> dict[str, str]:
             if not off <= I1_BOUND * spread + rounding:  # (NaN fails too)
                 out.setdefault(state[(p.peer, round_)],
                                f"peer {p.peer} round {round_}: applied a mean {off / max(spread, 1e-12):.3g} x the "
-                               f"largest honest deviation from the honest mean ({len(probes)} honest peers at its base)")
+                               f"largest honest deviation from the honest mean ({len(probes)} honest peers at its base"
+                               f"{mixed})")
+    return out
+
+
+def _foreign(result: Result) -> dict[str, str]:
+    """state hash -> why, for every state that attackers' rounds computed and no honest peer's did
+    (an honest peer on it, or on a state built on it, took the attackers' model: I1)."""
+    honest = {p.index for p in result.honest()}
+    made = {rec["state_hash"] for i, rec in result.records
+            if i in honest and rec.get("event") == "round" and not rec.get("void")}
+    out: dict[str, str] = {}
+    for i, rec in result.records:
+        if (i not in honest and rec.get("event") == "round" and not rec.get("void")
+                and rec.get("state_hash") and rec["state_hash"] not in made):
+            out.setdefault(rec["state_hash"], f"attacker {i} round {rec['round']}: a state no honest peer computed")
     return out
 
 
@@ -233,7 +263,7 @@ def check(result: Result) -> tuple[list[tuple[str, str]], dict[str, float]]:
     """([(invariant, summary)] broken, {measured: value}) for one finished run."""
     broken: list[tuple[str, str]] = []
     parent = lineage(result)
-    pulled = _pulled(result)
+    pulled = _foreign(result) | _pulled(result)
     for index, state in sorted(final_states(result).items()):
         hit = pulled.keys() & ancestors(state, parent)
         if hit:

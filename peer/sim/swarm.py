@@ -210,8 +210,7 @@ class SimPeer:
                          SimMetrics(lambda record: self._record(record) if self._live(me) else None),
                          lambda line: self._say(line) if self._live(me) else None)
         self.peer.averager.ctx.rates.enabled = not sc.equal_shares
-        if self.honest:
-            _probe(self, self.peer.averager, lambda: self._live(me))
+        _probe(self, self.peer.averager, lambda: self._live(me))
         self.incarnations.append(self.peer)
         return self.peer.run(self.disk, 0, until_round=sc.rounds)
 
@@ -244,9 +243,10 @@ class SimPeer:
 
 @dataclass
 class Probe:
-    """What one honest peer averaged in one round, on a fixed sample of PROBE_VALUES coordinates: its
-    own pseudo-gradient and, when the round completed, the mean it applied. The measure of what
-    attackers did to the model: search.py's I1."""
+    """What one peer averaged in one round, on a fixed sample of PROBE_VALUES coordinates: its own
+    pseudo-gradient and, when the round completed, the mean it applied. The measure of what attackers
+    did to the model: search.py's I1. An attacker's probe holds the pseudo-gradient its learner
+    computed, before its attack made parts of it: what it would have sent had it been honest."""
 
     peer: int
     round: int
@@ -254,6 +254,7 @@ class Probe:
     delta: torch.Tensor  # (PROBE_VALUES,) fp32
     applied: torch.Tensor | None = None  # (PROBE_VALUES,) fp32, once the round completed
     void: torch.Tensor | None = None  # (PROBE_VALUES,) bool: in a shard the round voided (not applied)
+    honest: bool = True  # False: an attacker's own pseudo-gradient, as its learner computed it (before any attack)
 
 
 def _sample(vector: torch.Tensor) -> torch.Tensor:
@@ -262,13 +263,14 @@ def _sample(vector: torch.Tensor) -> torch.Tensor:
 
 
 def _probe(peer: SimPeer, averager: Any, live: Callable[[], bool]) -> None:
-    """Wraps the averager's entry (from outside it, on this instance) to keep a ``Probe`` of each round."""
+    """Wraps the averager's entry (from outside it, on this instance) to keep a ``Probe`` of each round
+    (nothing the peer sees changes: a run's trace is the same with or without it)."""
     inner = averager.average_async
 
     async def average_async(round_: int, base: str, delta: torch.Tensor, population: int = 0) -> Any:
-        probe = Probe(peer.index, round_, base, _sample(delta))
+        probe = Probe(peer.index, round_, base, _sample(delta), honest=peer.honest)
         if live():
-            peer.swarm.probes.append(probe)
+            (peer.swarm.probes if peer.honest else peer.swarm.attacker_probes).append(probe)
         result = await inner(round_, base, delta, population)
         void = torch.zeros(result.averaged.numel(), dtype=torch.bool)
         for start, end in result.void_ranges:
@@ -324,6 +326,7 @@ class Result:
     dht: DHTWorld
     stalled: bool = False  # the virtual time limit passed before every honest peer finished
     probes: list[Probe] = field(default_factory=list)  # what honest peers averaged (``Probe``)
+    attacker_probes: list[Probe] = field(default_factory=list)  # what attackers' learners computed (``Probe``)
 
     def honest(self) -> list[SimPeer]:
         return [p for p in self.peers if p.honest]
@@ -342,6 +345,7 @@ class Swarm:
         self.peers: list[SimPeer] = []
         self.records: list[tuple[int, dict[str, Any]]] = []
         self.probes: list[Probe] = []  # one per honest peer-round that began averaging
+        self.attacker_probes: list[Probe] = []  # one per attacker peer-round that began averaging
         self.trace: list[str] = []
         self.actors: list[Callable[[Swarm], Any]] = []  # outside attackers: coroutines started with the run
         self.progress: Callable[[Swarm], None] | None = None  # called every 5 virtual seconds (long runs say how far)
@@ -485,7 +489,7 @@ class Swarm:
         trace_hash = hashlib.sha256("\n".join(self.trace).encode()).hexdigest()
         stalled = not all(p.done or p.gone or p.failed is not None for p in self.peers if p.honest)
         return Result(self.scenario, self.records, self.trace, trace_hash, virtual, wall, self.peers, self.net,
-                      self.dht, stalled, self.probes)
+                      self.dht, stalled, self.probes, self.attacker_probes)
 
 
 def attack_plan(scenario: Scenario) -> list[Any]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from bench import swarm as bench
 from hivetrain.peer.sim.attacks import ANY_ATTACKS, ATTACK_NAMES, FIRST_ATTACKS, LATEST_ATTACKS, NOW_ATTACKS
-from hivetrain.peer.sim.measure import bandwidth_bound
+from hivetrain.peer.sim.measure import ancestors, bandwidth_bound, lineage
 from hivetrain.peer.sim.search import (
     ANY_SEEDS,
     LARGE_SEEDS,
@@ -17,6 +18,7 @@ from hivetrain.peer.sim.search import (
     NEXT_SEEDS,
     NOW_SEEDS,
     RELAY_SEEDS,
+    _foreign,
     check,
     schedule,
 )
@@ -97,6 +99,46 @@ def test_the_invariants_see_an_attacker_pull_the_mean_and_an_unbounded_container
     assert measured["I4_completed_fraction"] == 1.0 and measured["I7_without_honest_majority"] >= 1
     result.peers[0].incarnations[-1].averager.planted = dict.fromkeys(range(MAX_CONTAINER + 1))
     assert any(inv == "I5" and "planted" in why for inv, why in check(result)[0])
+
+
+def test_a_lone_honest_peer_is_measured_against_what_its_partner_computed() -> None:
+    # one honest peer and one attacker whose auditor gets another part than its reducer: the shard the
+    # attacker reduces is void, and in the other the attacker's part is the one its learner computed,
+    # honestly. With one honest peer at the base the honest spread is 0, and I1 took that mean for
+    # 3.04e12 x it (the long search's seed 6,201,101); measured against both pseudo-gradients it holds
+    result = simulate(Scenario(peers=2, rounds=2, target=2, seed=1, dishonest=(1,), attacks=("unverifiable_parts",)))
+    (first,) = [rec for i, rec in result.records if i == 0 and rec.get("round") == 0 and rec.get("event") == "round"]
+    assert not first["void"] and first["void_shards"] and len(first["group"]) == 2  # the attack happened
+    assert {p.peer for p in result.attacker_probes} == {1} and not any(p.honest for p in result.attacker_probes)
+    broken, measured = check(result)
+    assert broken == [] and measured["I7_without_honest_majority"] == 1
+    # what the attacker did to its parts still counts against that reference
+    biased = simulate(Scenario(peers=2, rounds=2, target=2, seed=1, dishonest=(1,), attacks=("bias",)))
+    assert any(inv == "I1" and "1 attackers' own" in why for inv, why in check(biased)[0])
+
+
+class _Records:
+    """What ``_foreign`` and ``lineage`` read of a run's result: its records and who was honest."""
+
+    def __init__(self, records: list[tuple[int, dict]], honest: set[int]):
+        self.records, self.peers = records, [SimpleNamespace(index=i, honest=i in honest) for i in range(3)]
+
+    def honest(self) -> list:
+        return [p for p in self.peers if p.honest]
+
+
+def test_a_state_only_attackers_computed_breaks_i1_for_every_honest_state_built_on_it() -> None:
+    def done(base: str, state: str, round_: int, void: bool = False) -> dict:
+        return {"event": "round", "round": round_, "base_hash": base, "state_hash": state, "void": void}
+
+    records = [(2, done("g", "a1", 0)),  # the attacker alone: its own state
+               (0, done("g", "g", 0, void=True)), (1, done("g", "h1", 0)),  # honest peers: a void round, and h1
+               (2, done("h1", "s2", 1)), (1, done("h1", "s2", 1)),  # a group with an attacker: honest-computed
+               (0, done("a1", "x2", 1))]  # honest peer 0 took a1 and trained on it
+    foreign = _foreign(_Records(records, honest={0, 1}))
+    assert set(foreign) == {"a1"} and "attacker 2 round 0" in foreign["a1"]
+    parent = lineage(_Records(records, honest={0, 1}))
+    assert "a1" in ancestors("x2", parent) and not foreign.keys() & ancestors("s2", parent)
 
 
 def test_an_honest_swarm_breaks_no_invariant() -> None:
