@@ -50,7 +50,7 @@ from hivetrain.peer.averaging.views import (
 )
 from hivetrain.peer.errors import RoundFailed
 from hivetrain.peer.net.link import request
-from hivetrain.peer.net.prefixes import first_prefix
+from hivetrain.peer.net.prefixes import cap_key, first_prefix
 from hivetrain.peer.net.wire import MAX_GROUP, ZERO, Code
 
 logger = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ class Matchmaking:
         if new:
             addrs = await self.ctx.link.observed_addrs(new)
             for peer in new:
-                self._prefixes[peer] = first_prefix(addrs.get(peer, []))
+                self._prefixes[peer] = cap_key(addrs.get(peer, []))  # (relayed: the relay's prefix, review N6)
         if self.ctx.me not in self._prefixes:  # ourselves: what we listen on or announce (None behind a NAT)
             try:
                 self._prefixes[self.ctx.me] = first_prefix(await self.ctx.link.own_addrs())

@@ -7,7 +7,8 @@ keeps at most ``cap`` of them (``cap_by_prefix``), and a joiner counts one vote 
 peer cannot choose it short of really sending from another network. Loopback, private (RFC 1918,
 RFC 6598 shared space, fc00::/7), link-local and unspecified addresses are exempt: tests and LAN
 setups use them, and a remote attacker cannot make a public peer see it at such an address.
-Relayed (``/p2p-circuit``) and non-IP addresses are exempt too, see ``prefix_of``.
+Non-IP addresses are exempt too. A peer we reach only through a ``/p2p-circuit`` relay counts as
+the relay's prefix, apart from the peers we reach directly there (``cap_key``; review N6).
 
 The second Sybil brake is **probation** (peer/trust.py): a peer we have never completed an
 all-reduce with gets weight 0 in the shards we reduce (``reduce.probation_claims``) and is kept a
@@ -19,9 +20,12 @@ What they do NOT stop:
 - An operator with addresses in many /24s or /48s (cloud VMs in several regions, a botnet, free
   IPv6 tunnel brokers that hand out a /48 per tunnel) gets ``cap`` seats per prefix; the cap only
   raises the price of a Sybil swarm from "one machine" to "many networks".
-- Relayed connections are not counted: an attacker who makes us reach its identities through a
-  ``/p2p-circuit`` relay escapes the cap (the relay's IP is not the peer's, so it cannot be used
-  without punishing every honest peer behind the same relay). Probation still applies to them.
+- Relayed peers are capped per relay prefix, not per operator: an attacker with relays in many
+  /24s gets ``cap`` relayed seats per relay /24, next to ``cap`` direct ones in its own /24s (its
+  identities relayed through one /24 once escaped the cap: review N6, the simulator's
+  ``relayed_votes`` put 3 in every group against a cap of 2). Honest peers relayed through one
+  relay /24 share its ``cap`` seats per group; those relayed through a private relay, or through
+  none we can see, are not capped. Probation applies to them all.
 - Probation lasts one completed round. A patient attacker sits through it with every identity and
   is trusted from then on; it delays and dilutes, it does not vet. Peers we forget (beyond
   ``MAX_KNOWN``) start over, which costs honest peers one round, not safety.
@@ -90,10 +94,8 @@ def prefix_of(addr: str | Multiaddr) -> str | None:
     addresses (see the module docstring), for non-IP addresses (``/dns``, ``/unix``, ...), and
     for malformed input, which never raises: a peer's addresses are untrusted.
 
-    ``/p2p-circuit`` addresses are exempt as well. Their IP is the relay's, not the peer's:
-    counting it would put every peer behind one relay under one "operator" and cap honest NATed
-    peers for sharing a relay, while telling us nothing about who runs the relayed peer. The cost
-    is that relaying is a way around the cap (stated in the module docstring).
+    ``/p2p-circuit`` addresses are exempt as well: their IP is the relay's, not the peer's (the
+    group cap and a joiner's votes count them by the relay, as such: ``cap_key``).
     """
     ip = _ip_of(addr)
     if ip is None or ip.is_loopback or ip.is_link_local or ip.is_unspecified:
@@ -142,3 +144,25 @@ def first_prefix(addrs: Iterable[str]) -> str | None:
         if prefix is not None:
             return prefix
     return None
+
+
+def relay_prefix(addr: str) -> str | None:
+    """For a ``/p2p-circuit`` address through a relay at a public IP, "relay:" and the relay's prefix
+    (every identity relayed through one /24 or /48 shares it); None for any other address."""
+    parts = addr.split("/") if isinstance(addr, str) and len(addr) <= MAX_MADDR_CHARS else []
+    if len(parts) < 3 or "p2p-circuit" not in parts:
+        return None
+    relay = prefix_of("/".join(parts[:3]))
+    return None if relay is None else f"relay:{relay}"
+
+
+def cap_key(addrs: Iterable[str]) -> str | None:
+    """What one peer counts as for the group cap: the prefix of the first direct public address we
+    see it at; else the prefix of the public relay we reach it through (``relay_prefix``, kept apart
+    from the peers seen directly in that /24: a run's own reachable peers may relay for others);
+    else None (exempt)."""
+    addrs = list(addrs)
+    prefix = first_prefix(addrs)
+    if prefix is not None:
+        return prefix
+    return next((key for addr in addrs if (key := relay_prefix(addr)) is not None), None)

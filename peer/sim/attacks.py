@@ -21,9 +21,10 @@ the honest one returns the part it is given, and the honest path sends exactly w
 What the simulator cannot express, and so is carried out only in part:
 
 - relayed_votes (N6): the simulated addresses can be ``/p2p-circuit`` addresses (the relay's IP),
-  so relayed attackers escape the per-/24 cap of matchmaking and would count one joiner vote per
-  relay IP; the attackers here train honestly, so the evidence is a group over the cap. Capturing
-  a joiner with those votes also needs a forged state served, which this attack does not combine.
+  so relayed attackers escaped the per-/24 cap of matchmaking (until 2026-12-08: they now count as
+  their relays' /24) and counted one joiner vote per relay IP; the attackers here train honestly, so
+  the evidence is a group over the cap, or held to it. Capturing a joiner with those votes also
+  needs a forged state served, which this attack does not combine.
 - dht_key_fill (N8): one DHT, nearest-node replication, no routing tables: the key is filled at
   every replica a writer reaches, which is the review's "not run across real DHT replicas" case.
 - serving_lockout (N2): the attackers' streams are silent before their header; a requester that
@@ -756,7 +757,7 @@ class DHTKeyFill(Attack):
 class RelayedVotes(Attack):
     name = "relayed_votes"
     about = ("N6 (in part): attacker peers reachable only as /p2p-circuit addresses, each through a relay IP "
-             "of their own /24: the per-/24 cap exempts them (and a joiner counts one vote per relay IP); "
+             "of their own /24, to escape the per-/24 cap of groups and a joiner's one vote per prefix; "
              "they train honestly, no forged state is served")
 
     async def actor(self, swarm: Swarm, attackers: list[SimPeer]) -> None:

@@ -64,7 +64,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hivetrain.peer.net.prefixes import first_prefix, prefix_of
+from hivetrain.peer.net.prefixes import cap_key
 
 ROUND_SLACK = 2  # rounds a peer may be ahead of us regardless of time (a round in flight, clock skew)
 MAX_PER_STATE = 32  # attesters of one state a joiner contacts
@@ -289,14 +289,12 @@ def vote_key(addrs: Sequence[str]) -> str | None:
     through one /24 is one vote, wherever it really is: review N6 counted one per relay IP, 32 votes
     from 32 relays in one /24); otherwise (loopback, private) its first IP: one vote per IP. None if
     we hold no IP connection to it."""
-    prefix = first_prefix(addrs)
-    if prefix is not None:
-        return prefix
+    key = cap_key(addrs)
+    if key is not None:
+        return key
     for addr in addrs:
         parts = addr.split("/") if isinstance(addr, str) and len(addr) <= 1024 else []
         if len(parts) >= 3 and parts[0] == "" and parts[1] in ("ip4", "ip6") and parts[2]:
-            if "p2p-circuit" in parts and (relay := prefix_of("/".join(parts[:3]))) is not None:
-                return f"relay:{relay}"
             return f"ip:{parts[2]}"
     return None
 

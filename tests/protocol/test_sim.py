@@ -391,6 +391,23 @@ def test_a_made_up_group_naming_every_ready_peer_weighs_only_its_vouched_members
     assert violations == [] and measured["I2_states_per_round"] == 1
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_identities_relayed_through_one_24_take_at_most_the_caps_seats_in_a_group(seed: int) -> None:
+    """Review N6, in groups: three attacker identities reached only through /p2p-circuit relays in one
+    /24, in a run of 9 with groups of 8 and a cap of 2 per /24. Relayed addresses were exempt from
+    the cap, and all three sat in every honest group (18 honest peer-rounds in seeds 1-3); they now
+    count as their relays' /24, apart from the peers seen there directly."""
+    result = simulate(Scenario(peers=9, rounds=3, target=8, seed=seed, dishonest=(6, 7, 8), attacker_prefixes=1,
+                               attacks=("relayed_votes",)))
+    evidence = LIBRARY["relayed_votes"].happened(result)
+    assert evidence and "grouped relayed attackers (prefix cap not reached)" in evidence, evidence
+    bad = attacker_ids(result)
+    groups = [set(rec["group"]) for _, rec in honest_rounds(result) if not rec.get("void")]
+    assert groups and max(len(g & bad) for g in groups) == 2  # the cap's seats, taken
+    violations, measured = check(result)
+    assert violations == [] and measured["I4_completed_fraction"] == 1.0
+
+
 def test_a_ready_record_alone_earns_no_trust_and_a_designee_weighs_no_newcomer() -> None:
     """Search seed 3,000,131 (12 peers, 3 attackers on 2 /24s, bias + inflated_group): the attackers'
     ready records sat on every board through round 0, never answering a ping, and every honest peer

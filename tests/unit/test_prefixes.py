@@ -15,7 +15,7 @@ from multiaddr import Multiaddr
 
 from hivetrain.peer.net import libp2p
 from hivetrain.peer.net.libp2p import MAX_ADDRS_PER_PEER, observed_addrs
-from hivetrain.peer.net.prefixes import cap_by_prefix, first_prefix, prefix_of
+from hivetrain.peer.net.prefixes import cap_by_prefix, cap_key, first_prefix, prefix_of, relay_prefix
 
 PID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PID2 = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
@@ -132,6 +132,23 @@ def test_first_prefix_skips_exempt_addresses() -> None:
     assert first_prefix(["/ip4/127.0.0.1/tcp/1", "garbage", "/ip4/203.0.113.7/tcp/1"]) == "203.0.113.0/24"
     assert first_prefix(["/ip4/127.0.0.1/tcp/1", "/ip4/10.0.0.1/tcp/1"]) is None
     assert first_prefix([]) is None
+
+
+def test_a_relayed_peer_counts_as_its_relays_prefix_apart_from_the_peers_seen_there_directly() -> None:
+    relayed = f"/ip4/203.0.113.9/tcp/4001/p2p/{PID}/p2p-circuit"
+    assert relay_prefix(relayed) == "relay:203.0.113.0/24" and prefix_of(relayed) is None
+    assert relay_prefix("/ip4/203.0.113.9/tcp/4001") is None  # a direct address is no relay's
+    assert relay_prefix(f"/ip4/10.1.2.3/tcp/4001/p2p/{PID}/p2p-circuit") is None  # a private relay: exempt
+    assert relay_prefix("x" * 2000 + "/p2p-circuit") is None
+    assert cap_key([relayed]) == "relay:203.0.113.0/24"
+    assert cap_key([relayed, "/ip4/198.51.100.4/tcp/1"]) == "198.51.100.0/24"  # a direct address comes first
+    assert cap_key(["/ip4/127.0.0.1/tcp/1", f"/ip4/10.1.2.3/tcp/4001/p2p/{PID}/p2p-circuit"]) is None
+    # review N6: three identities relayed through one /24 against a cap of 2 per group
+    members = ["me", "r1", "r2", "r3", "d1"]
+    prefixes = {"r1": cap_key([relayed]), "r2": cap_key([relayed.replace(".9/", ".10/")]),
+                "r3": cap_key([relayed.replace(".9/", ".11/")]), "d1": cap_key(["/ip4/203.0.113.50/tcp/1"])}
+    kept, dropped = cap_by_prefix(members, prefixes, 2, _rank("r"))
+    assert len(dropped) == 1 and set(dropped) < {"r1", "r2", "r3"} and "d1" in kept
 
 
 # ---- cap_by_prefix --------------------------------------------------------------------------------
