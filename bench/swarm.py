@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     python -m bench.swarm [--quick] [--json] [--seed S] [--rounds R]       # the table
     python -m bench.swarm --peers N [--target T] [--jitter S] [--slow F]   # one configuration
-    python -m bench.swarm --search --budget SECONDS [--seed S] [--json]    # the attack search
+    python -m bench.swarm --search --budget SECONDS [--seed S] [--workers N] [--json]    # the attack search
     python -m bench.swarm --replay SEED                                    # one schedule of the search, told
     python -m bench.swarm --slow-member [--numel N] [--rounds R] [--piece-values V]   # one member at 1/5 of the uplink
 
@@ -35,7 +35,8 @@ each, per round after the first (the first has no measured rates yet), and their
 members that is one piece per member, so nothing is pipelined within a member's share).
 
 ``--search`` runs random attack schedules (peer/sim/search.py) until the budget is spent and
-prints each broken invariant with the seed that reproduces it; ``--replay SEED`` reruns one and
+prints each broken invariant with the seed that reproduces it (``--workers N``: N processes at
+once, rows in seed order); ``--replay SEED`` reruns one and
 prints its event trace, shortened. ``--json``: one JSON object on the last line, ``{"results": [rows]}``
 for the table, ``{"schedules": n, "violations": [...]}`` for the search.
 """
@@ -164,7 +165,7 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
               f"completed {r['I4_completed_fraction']:.2f}, at deadline {r['I6_completed_at_deadline']}, "
               f"{r['wall_s']:.1f} s)", flush=True)
 
-    n, violations, rows = search(args.budget, args.seed, progress)
+    n, violations, rows = search(args.budget, args.seed, progress, workers=args.workers)
     stories = {r["seed"]: r["story"] for r in rows if "story" in r}
     print(f"{n} schedules, {len(violations)} violations", flush=True)
     for v in violations:
@@ -253,6 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the run spec expects its N peers (expected_peers): round 0 starts in ready buckets")
     ap.add_argument("--search", action="store_true", help="random attack schedules with invariants")
     ap.add_argument("--budget", type=float, default=60.0, help="wall seconds for --search (default 60)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="--search: schedules run in this many processes at once (default 1; the seeds run are "
+                         "one range whatever the number)")
     ap.add_argument("--calibrate", action="store_true", help="bench.utilization's three peers, simulated")
     ap.add_argument("--cpu-scale", type=float, default=0.0,
                     help="--calibrate: a second run whose CPU work costs its wall time x this (0: none)")
@@ -264,9 +268,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="rerun one schedule of the search")
     args = ap.parse_args(argv)
     if args.peers < 0 or args.rounds < 0 or args.numel < 1024 or args.budget <= 0 or args.target < 2 or not 0 <= args.slow <= 1 \
-            or args.jitter < 0 or not (args.piece_values == 0 or 1024 <= args.piece_values <= 1 << 30):
+            or args.jitter < 0 or not (args.piece_values == 0 or 1024 <= args.piece_values <= 1 << 30) \
+            or not 1 <= args.workers <= 256:
         ap.error("--peers/--rounds must be >= 0, --numel >= 1024, --target >= 2, --budget > 0, --slow in [0, 1], "
-                 "--jitter >= 0, --piece-values in [1024, 2^30]")
+                 "--jitter >= 0, --piece-values in [1024, 2^30], --workers in [1, 256]")
     return args
 
 

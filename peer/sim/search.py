@@ -41,9 +41,13 @@ I2, I4, I6 and I7 are numbers, not pass/fail: they are reported per schedule.
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import random
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,22 +325,52 @@ def verdict(seed: int) -> tuple[tuple[str, ...], list[str], dict[str, float]]:
     return sc.attacks, [f"{v.invariant} [{v.attack}]: {v.summary}" for v in found], measured
 
 
-def search(budget_s: float, seed: int = 0, progress: Any = None) -> tuple[int, list[Violation], list[dict[str, Any]]]:
+def search_row(seed: int) -> tuple[dict[str, Any], list[Violation]]:
+    """Schedule ``seed`` run and checked, as plain values (for a process pool): its summary row (with
+    ``story``, the shortened trace, where an invariant broke) and its violations."""
+    sc, result, found, measured = run_one(seed)
+    row = {"seed": seed, "peers": sc.peers, "attackers": len(sc.dishonest), "prefixes": sc.attacker_prefixes,
+           "attacks": list(sc.attacks), "churn": bool(sc.events), "violations": sorted({v.invariant for v in found}),
+           "wall_s": round(result.wall_s, 2), **measured}
+    if found:
+        row["story"] = story(result, lines=16)
+    return row, found
+
+
+def _log_level(level: int) -> None:
+    logging.getLogger("hivetrain").setLevel(level)
+
+
+def search(budget_s: float, seed: int = 0, progress: Any = None,
+           workers: int = 1) -> tuple[int, list[Violation], list[dict[str, Any]]]:
     """Runs schedules seed, seed+1, ... until ``budget_s`` seconds of wall time are spent (at least one);
-    returns (schedules run, violations, one summary per schedule: with ``story``, the shortened
-    trace, where an invariant broke)."""
+    returns (schedules run, violations, one summary per schedule: ``search_row``). With ``workers`` > 1
+    they run in that many processes; rows come back in seed order, and the seeds run are still one
+    range from ``seed`` (the schedules under way when the budget ends are finished, not dropped)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     t0 = time.perf_counter()
-    n, violations, rows = 0, [], []
-    while n == 0 or time.perf_counter() - t0 < budget_s:
-        sc, result, found, measured = run_one(seed + n)
+    violations: list[Violation] = []
+    rows: list[dict[str, Any]] = []
+
+    def take(row: dict[str, Any], found: list[Violation]) -> None:
         violations.extend(found)
-        row = {"seed": seed + n, "peers": sc.peers, "attackers": len(sc.dishonest), "prefixes": sc.attacker_prefixes,
-               "attacks": list(sc.attacks), "churn": bool(sc.events), "violations": sorted({v.invariant for v in found}),
-               "wall_s": round(result.wall_s, 2), **measured}
-        if found:
-            row["story"] = story(result, lines=16)
         rows.append(row)
         if progress is not None:
             progress(row)
-        n += 1
-    return n, violations, rows
+
+    if workers == 1:
+        while not rows or time.perf_counter() - t0 < budget_s:
+            take(*search_row(seed + len(rows)))
+        return len(rows), violations, rows
+    level = logging.getLogger("hivetrain").level  # (the workers keep the caller's: bench.swarm quiets it)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_log_level,
+                             initargs=(level,)) as pool:
+        pending: deque[Future[tuple[dict[str, Any], list[Violation]]]] = deque()
+        submitted = 0
+        while pending or not submitted:
+            while len(pending) < 2 * workers and (not submitted or time.perf_counter() - t0 < budget_s):
+                pending.append(pool.submit(search_row, seed + submitted))
+                submitted += 1
+            take(*pending.popleft().result())
+    return len(rows), violations, rows

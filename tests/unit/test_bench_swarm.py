@@ -21,6 +21,8 @@ from hivetrain.peer.sim.search import (
     _foreign,
     check,
     schedule,
+    search,
+    search_row,
 )
 from hivetrain.peer.sim.swarm import Scenario, simulate
 
@@ -48,6 +50,17 @@ def test_the_search_reports_schedules_and_violations_with_their_seeds(capsys: py
     assert out["schedules"] >= 1
     for v in out["violations"]:
         assert set(v) == {"invariant", "seed", "attack", "summary"} and v["invariant"] in ("I1", "I3", "I5")
+
+
+@pytest.mark.slow  # (two spawned processes, four schedules and two again here: about a minute on a busy machine)
+def test_the_search_in_several_processes_runs_one_range_of_seeds_in_order_with_the_same_rows() -> None:
+    n, _, rows = search(0.1, 17, workers=2)
+    assert n == len(rows) >= 2 and [r["seed"] for r in rows] == list(range(17, 17 + n))  # what was under way too
+    for row in (rows[0], rows[-1]):  # (each schedule depends on its seed alone: the same row in this process)
+        assert {k: v for k, v in row.items() if k != "wall_s"} == \
+            {k: v for k, v in search_row(row["seed"])[0].items() if k != "wall_s"}
+    with pytest.raises(ValueError, match="workers"):
+        search(0.1, 17, workers=0)
 
 
 def test_a_schedule_is_drawn_from_its_seed_alone_and_replays_bit_for_bit() -> None:
@@ -79,7 +92,7 @@ def test_the_slow_family_draws_slow_members_and_the_relay_attack_and_the_others_
                    for s in range(200))
 
 
-@pytest.mark.parametrize("argv", [["--peers", "-1"], ["--target", "1"], ["--search", "--budget", "0"],
+@pytest.mark.parametrize("argv", [["--peers", "-1"], ["--target", "1"], ["--search", "--budget", "0"], ["--search", "--workers", "0"],
                                   ["--slow", "2"], ["--replay", "x"]])
 def test_bad_arguments_are_refused_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
